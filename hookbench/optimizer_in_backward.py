@@ -1,0 +1,384 @@
+"""Optimizer step fused into the backward pass.
+
+The reference implementation of the PyTorch tutorial "How to save memory by fusing the optimizer
+step into the backward pass", grown into something a training loop can use unchanged:
+
+* every trainable parameter (or, with ``grouped=True``, every module's own parameters) gets its
+  own instance of the chosen ``torch.optim`` class, stepped from
+  ``Tensor.register_post_accumulate_grad_hook`` as soon as its gradient is complete, after which
+  the gradient is freed, so the gradients of the whole model never exist at once;
+* gradient accumulation over ``accumulation_steps`` micro-batches, the same as a standard loop
+  that calls ``optimizer.step()`` every k-th backward;
+* ``OptimizerInBackward`` is itself a ``torch.optim.Optimizer`` whose ``param_groups`` and
+  ``state`` are those of the per-parameter optimizers, so one LR scheduler drives them all and
+  ``state_dict()`` / ``load_state_dict()`` interchange with a standard optimizer's checkpoint.
+
+Usage::
+
+    with OptimizerInBackward(model, torch.optim.AdamW, lr=1e-3) as opt:
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=100)
+        for x, y in data:
+            loss_fn(model(x), y).backward()   # parameters are updated in here
+            sched.step()
+
+Global gradient-norm clipping cannot work (it needs every gradient at once) and is refused.
+Reentrant activation checkpointing runs a nested backward that fires the hook of a parameter used
+inside and outside the checkpoint twice; use ``use_reentrant=False``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakTensorKeyDictionary
+
+__all__ = ["OptimizerInBackward"]
+
+# Which OptimizerInBackward manages a parameter; refuses a second registration on it.
+_OWNER: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+_CLIP_KEYS = ("max_grad_norm", "clip_grad_norm", "grad_clip", "max_norm")
+_CLIP_ADVICE = (
+    "global gradient-norm clipping needs the norm over every gradient, but with the optimizer "
+    "in backward each parameter is stepped and its gradient freed before the next one exists. "
+    "Clip per parameter instead (register your own post-accumulate-grad hook before creating "
+    "OptimizerInBackward; hooks run in registration order), or use a standard optimizer.step()."
+)
+
+
+@dataclass(eq=False)
+class _Unit:
+    """One inner optimizer and the trainable parameters it steps together."""
+
+    optimizer: torch.optim.Optimizer
+    params: list[torch.Tensor]
+    group_index: int
+    ready: int = 0  # parameters whose gradient completed in the current backward
+    fired: dict[int, int] = field(default_factory=dict)  # id(param) -> graph task id
+
+
+class OptimizerInBackward(torch.optim.Optimizer):
+    """Steps ``optimizer_class`` per parameter (or per module) inside backward.
+
+    Args:
+        model: the module whose parameters are optimized; names come from ``named_parameters``.
+        optimizer_class: a ``torch.optim.Optimizer`` subclass, e.g. ``torch.optim.AdamW``.
+        params: ``None`` for every parameter of ``model``, an iterable of its parameters, or
+            param groups (dicts with ``"params"`` and per-group options) as for any optimizer.
+            Frozen parameters stay in the groups (so checkpoints line up with a standard
+            optimizer's) but get no hook and no state.
+        accumulation_steps: step on every k-th backward; gradients accumulate in between.
+        grouped: step all parameters of one module together once all their gradients are
+            ready, so the foreach / fused kernels of the optimizer apply within the module.
+        **defaults: options of ``optimizer_class`` (``lr``, ``betas``, ``foreach``, ...).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer_class: type[torch.optim.Optimizer],
+        params: Iterable[Any] | None = None,
+        *,
+        accumulation_steps: int = 1,
+        grouped: bool = False,
+        **defaults: Any,
+    ) -> None:
+        # Everything is validated and every inner optimizer built before the first hook is
+        # registered, so bad input leaves the model exactly as it was.
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        _check_optimizer_class(optimizer_class)
+        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
+            raise TypeError(f"accumulation_steps must be an int, got {accumulation_steps!r}")
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+
+        names = {p: n for n, p in model.named_parameters()}
+        groups = _normalize_groups(params, names, defaults)
+        # A probe on a dummy tensor validates the options (torch raises on a negative lr, ...)
+        # and fills in the class defaults, so state_dict() reads exactly like that of
+        # optimizer_class(model.named_parameters(), **defaults).
+        template = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
+        units = _build_units(model, optimizer_class, groups, defaults, grouped)
+        super().__init__(
+            [{**g, "params": [(names[p], p) for p in g["params"]]} for g in groups],
+            dict(template.defaults),
+        )
+
+        self.model = model
+        self.optimizer_class = optimizer_class
+        self.accumulation_steps = accumulation_steps
+        self.grouped = grouped
+        self._units = units
+        self._handles: list[RemovableHandle] = []
+        self._backwards = 0  # backward passes (graph tasks) that reached a hook of ours
+        self._graph_task = -1
+        for unit in units:
+            self.state.update(unit.optimizer.state)  # state a class creates in __init__
+        self._bind_inner_state()
+        for unit in units:
+            for p in filter(lambda p: p.requires_grad, unit.params):
+                _OWNER[p] = self
+                self._handles.append(
+                    p.register_post_accumulate_grad_hook(self._make_hook(unit))
+                )
+
+    # -- hook --------------------------------------------------------------------------------
+
+    def _make_hook(self, unit: _Unit):
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_ready(unit, param)
+
+        return hook
+
+    def _on_grad_ready(self, unit: _Unit, param: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._graph_task:  # the first of our hooks in a new backward
+            self._graph_task = task
+            self._backwards += 1
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        if unit.fired.get(id(param)) == task:
+            # PyTorch promises one call per backward, tied parameters included; a second call
+            # would step again on a partial gradient.
+            raise RuntimeError(
+                f"post-accumulate-grad hook fired twice for parameter "
+                f"'{self._name(param)}' in one backward pass"
+            )
+        unit.fired[id(param)] = task
+        unit.ready += 1
+        if unit.ready == len(unit.params):
+            self._finish(unit)
+
+    def _end_of_backward(self) -> None:
+        # A unit whose parameters did not all receive a gradient in this backward (an unused
+        # branch, or a module only partly used) is stepped with what it has, as a standard
+        # step would be; so is one holding gradients from earlier micro-batches only.
+        for unit in self._units:
+            if unit.ready or any(p.grad is not None for p in unit.params):
+                self._finish(unit)
+
+    def _finish(self, unit: _Unit) -> None:
+        unit.ready = 0
+        if self._backwards % self.accumulation_steps:
+            return  # accumulate: the gradient stays in .grad until the k-th backward
+        inner = unit.optimizer.param_groups[0]
+        inner.update(
+            (k, v)
+            for k, v in self.param_groups[unit.group_index].items()
+            if k not in ("params", "param_names")
+        )
+        unit.optimizer.step()
+        unit.optimizer.zero_grad(set_to_none=True)
+        # The flag LRScheduler reads to warn about scheduler.step() before optimizer.step();
+        # the outer step() is a no-op the user need not call.
+        self._opt_called = True
+
+    # -- Optimizer API -----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        """A no-op: the parameters were updated during backward.
+
+        Kept so that loops and LR schedulers written for a standard optimizer run unchanged.
+        """
+        if closure is not None:
+            raise ValueError("OptimizerInBackward steps inside backward and takes no closure")
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> None:
+        raise ValueError(_CLIP_ADVICE)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict of this class or of ``optimizer_class`` itself.
+
+        Where the saved groups carry ``param_names`` the state is matched by name (a checkpoint
+        of a model that lists its parameters in another order loads correctly), else by
+        position, as ``torch.optim.Optimizer`` does. Shapes are checked before anything changes.
+        """
+        state_dict = _reorder_by_name(state_dict, self.param_groups)
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        if len(saved) == len(params):
+            for index, p in zip(saved, params):
+                for key, value in state_dict["state"].get(index, {}).items():
+                    if torch.is_tensor(value) and value.dim() > 0 and value.shape != p.shape:
+                        raise ValueError(
+                            f"state '{key}' of parameter '{self._name(p)}' has shape "
+                            f"{tuple(value.shape)}, the parameter has {tuple(p.shape)}"
+                        )
+        super().load_state_dict(state_dict)  # validates group sizes before changing anything
+        self._bind_inner_state()
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def remove(self) -> None:
+        """Remove every hook; the model trains with a standard optimizer again. Idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for unit in self._units:
+            for p in unit.params:
+                if _OWNER.get(p) is self:
+                    del _OWNER[p]
+
+    def __enter__(self) -> OptimizerInBackward:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _bind_inner_state(self) -> None:
+        # One state dict for all: the inner optimizers read and write the outer one's entries,
+        # so state_dict(), load_state_dict() and inspection see the live state.
+        for unit in self._units:
+            unit.optimizer.state = self.state
+
+    def _name(self, param: torch.Tensor) -> str:
+        for group in self.param_groups:
+            for p, n in zip(group["params"], group["param_names"]):
+                if p is param:
+                    return n
+        return "<unknown>"
+
+    @property
+    def inner_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The per-parameter (or per-module) optimizers, for inspection."""
+        return [u.optimizer for u in self._units]
+
+
+def _check_optimizer_class(optimizer_class: Any) -> None:
+    if isinstance(optimizer_class, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer_class must be an optimizer class such as torch.optim.Adam, got an "
+            f"instance of {type(optimizer_class).__name__}; pass the class and its options "
+            f"as keyword arguments"
+        )
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+        )
+    if issubclass(optimizer_class, OptimizerInBackward):
+        raise TypeError("optimizer_class cannot be OptimizerInBackward itself")
+    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(
+            f"{optimizer_class.__name__}.step() needs a closure that re-evaluates the loss, "
+            f"which cannot run inside backward; use a standard optimizer.step(closure) for it"
+        )
+
+
+def _normalize_groups(
+    params: Iterable[Any] | None, names: dict, defaults: dict
+) -> list[dict[str, Any]]:
+    """Param groups as plain dicts of parameter lists plus options, validated."""
+    if params is None:
+        raw = [{"params": list(names)}]
+    else:
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params must be an iterable of tensors or of param-group dicts")
+        raw = list(params)
+        if not raw:
+            raise ValueError("params is empty")
+        if not all(isinstance(g, dict) for g in raw):
+            raw = [{"params": raw}]
+    groups, seen = [], set()
+    for i, group in enumerate(raw):
+        if "params" not in group:
+            raise ValueError(f"param group {i} has no 'params' entry")
+        options = {k: v for k, v in group.items() if k != "params"}
+        for key in _CLIP_KEYS:
+            if key in defaults or key in options:
+                raise ValueError(f"'{key}' is not supported: {_CLIP_ADVICE}")
+        tensors = group["params"]
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"param group {i} holds a {type(t).__name__}, not a tensor")
+            if not t.is_leaf:
+                raise ValueError(
+                    f"param group {i} holds a non-leaf tensor (grad_fn={type(t.grad_fn).__name__})"
+                    f"; post-accumulate-grad hooks exist only on leaf tensors"
+                )
+            if t not in names:
+                raise ValueError(
+                    f"param group {i} holds a tensor of shape {tuple(t.shape)} that is not a "
+                    f"parameter of the model"
+                )
+            if t in seen:
+                raise ValueError(f"parameter '{names[t]}' appears in more than one place")
+            owner = _OWNER.get(t)
+            if owner is not None:
+                raise ValueError(
+                    f"parameter '{names[t]}' is already stepped by another OptimizerInBackward;"
+                    f" call remove() on it (or leave its `with` block) first"
+                )
+            seen.add(t)
+        groups.append({"params": tensors, **options})
+    if not any(t.requires_grad for g in groups for t in g["params"]):
+        raise ValueError("no parameter requires grad: there is nothing to optimize")
+    return groups
+
+
+def _build_units(
+    model: nn.Module, optimizer_class: type, groups: list[dict], defaults: dict, grouped: bool
+) -> list[_Unit]:
+    options = [{**defaults, **{k: v for k, v in g.items() if k != "params"}} for g in groups]
+    group_of = {p: i for i, g in enumerate(groups) for p in g["params"] if p.requires_grad}
+    buckets: dict[Any, list[torch.Tensor]] = defaultdict(list)
+    if grouped:
+        seen: set = set()
+        for module in model.modules():
+            for p in module.parameters(recurse=False):
+                if p in group_of and p not in seen:  # a tied parameter joins its first module
+                    seen.add(p)
+                    buckets[(id(module), group_of[p])].append(p)
+    else:
+        for p, i in group_of.items():
+            buckets[(id(p), i)].append(p)
+    # Frozen parameters get an optimizer but no hook: some classes (Adagrad) create state for
+    # every parameter up front, and a standard optimizer's state dict has it too.
+    for i, g in enumerate(groups):
+        for p in g["params"]:
+            if not p.requires_grad:
+                buckets[("frozen", i)].append(p)
+    return [
+        _Unit(optimizer_class(params, **options[i]), params, i)
+        for (_, i), params in buckets.items()
+    ]
+
+
+def _reorder_by_name(state_dict: dict[str, Any], groups: list[dict]) -> dict[str, Any]:
+    """Renumber a named state dict so that its parameter order is ours."""
+    saved_groups = state_dict.get("param_groups", [])
+    if len(saved_groups) != len(groups) or not all("param_names" in g for g in saved_groups):
+        return state_dict
+    saved_index = {n: i for g in saved_groups for n, i in zip(g["param_names"], g["params"])}
+    ours = [n for g in groups for n in g["param_names"]]
+    missing = sorted(set(ours) - set(saved_index))
+    unexpected = sorted(set(saved_index) - set(ours))
+    if missing or unexpected:
+        raise ValueError(
+            f"state dict does not match the model's parameters: missing {missing}, "
+            f"unexpected {unexpected}"
+        )
+    new_index = {n: i for i, n in enumerate(ours)}
+    state = {new_index[n]: state_dict["state"][i] for n, i in saved_index.items()
+             if i in state_dict["state"]}
+    new_groups, start = [], 0
+    for saved, group in zip(saved_groups, groups):
+        names = group["param_names"]
+        if sorted(saved["param_names"]) != sorted(names):
+            raise ValueError(
+                "state dict groups hold other parameters than this optimizer's groups"
+            )
+        new_groups.append({**saved, "params": list(range(start, start + len(names))),
+                           "param_names": list(names)})
+        start += len(names)
+    return {**state_dict, "state": state, "param_groups": new_groups}

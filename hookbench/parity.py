@@ -1,0 +1,283 @@
+"""Numerical parity: does a training strategy follow the standard ``optimizer.step()``?
+
+``trajectory`` trains a ``TinySpec`` model for a few steps with one strategy and snapshots the
+parameters and optimizer state after every step; ``compare`` says whether two trajectories are
+bit-exact or how far apart they are against a stated tolerance. The property tests, the report
+and the fault-injection tests all use these two functions, so a check that passes in one place
+passes for the same reason in the others.
+
+Strategies:
+    forloop, foreach, fused      a standard optimizer with that implementation
+    in_backward                  OptimizerInBackward, one optimizer per parameter, for-loop
+    in_backward_grouped          OptimizerInBackward(grouped=True), for-loop
+    in_backward_grouped_foreach  the grouped mode with the foreach kernels inside each module
+    peer                         torch.distributed.optim._apply_optimizer_in_backward (k=1 only)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+from hookbench.optimizer_in_backward import OptimizerInBackward
+from hookbench.zoo import TinySpec
+
+__all__ = [
+    "FAMILIES",
+    "STRATEGIES",
+    "Comparison",
+    "Tolerance",
+    "compare",
+    "live_gradients",
+    "tolerance",
+    "training",
+    "trajectory",
+]
+
+# The optimizer families hookbench verifies, with settings that exercise their less common
+# branches (nesterov, amsgrad, centered, lr decay, weight decay).
+FAMILIES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any]]] = {
+    "sgd": (torch.optim.SGD, dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)),
+    "adam": (torch.optim.Adam, dict(lr=1e-2, weight_decay=1e-3)),
+    "adam_amsgrad": (torch.optim.Adam, dict(lr=1e-2, amsgrad=True)),
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=1e-2)),
+    "rmsprop": (torch.optim.RMSprop, dict(lr=1e-2, momentum=0.5, centered=True)),
+    "adagrad": (torch.optim.Adagrad, dict(lr=5e-2, lr_decay=1e-3)),
+}
+
+STRATEGIES = (
+    "forloop",
+    "foreach",
+    "fused",
+    "in_backward",
+    "in_backward_grouped",
+    "in_backward_grouped_foreach",
+    "peer",
+)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    atol: float
+
+
+# Tolerances for paths whose arithmetic is not identical to the for-loop's. Identical arithmetic
+# (every in-backward mode with foreach=False, and the peer) is compared bit for bit instead.
+# PyTorch's own tests (test/test_optim.py) compare foreach with the for-loop in float64 at
+# rtol=atol=1e-7 and fused in low precision at 5e-3. Here a few steps of a tiny model: fp32 eps
+# is 1.2e-7, fused Adam was seen 2e-7 off per step (../shared/NOTES.md), and the gap can grow a
+# little over steps through the model's own sensitivity, hence about 100 ulps in fp32. float64
+# keeps the PyTorch test's 1e-7, which is still ~1e9 ulps of float64 headroom.
+_TOLERANCES = {
+    ("foreach", torch.float32): Tolerance(rtol=1e-5, atol=1e-6),
+    ("foreach", torch.float64): Tolerance(rtol=1e-7, atol=1e-7),
+    ("fused", torch.float32): Tolerance(rtol=1e-5, atol=1e-6),
+    ("fused", torch.float64): Tolerance(rtol=1e-7, atol=1e-7),
+}
+
+
+def tolerance(strategy: str, dtype: torch.dtype) -> Tolerance | None:
+    """The tolerance against the for-loop for ``strategy`` in ``dtype``; None means bit-exact."""
+    if strategy == "in_backward_grouped_foreach":
+        strategy = "foreach"
+    return _TOLERANCES.get((strategy, dtype))
+
+
+Snapshot = dict[str, torch.Tensor]  # "name" and "name/state_key" -> value after a step
+
+
+@contextlib.contextmanager
+def training(
+    spec: TinySpec,
+    optimizer_class: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+    strategy: str,
+    *,
+    accumulation: int = 1,
+) -> Iterator[Training]:
+    """A model of ``spec`` set up to train with ``strategy``; hooks are removed on exit."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+    if strategy == "peer" and accumulation != 1:
+        raise ValueError("the peer _apply_optimizer_in_backward has no gradient accumulation")
+    model = spec.build()
+    step, state_of, close = _start(strategy, model, optimizer_class, kwargs, accumulation)
+    try:
+        yield Training(spec, model, accumulation, step, state_of)
+    finally:
+        close()
+
+
+@dataclass
+class Training:
+    spec: TinySpec
+    model: torch.nn.Module
+    accumulation: int
+    _step: Callable[[], None]
+    state_of: Callable[[torch.Tensor], dict]
+
+    def step(self, index: int) -> None:
+        """One optimizer step: ``accumulation`` forward/backward passes on batches of ``index``."""
+        for micro in range(self.accumulation):
+            x, y = self.spec.batch(index * self.accumulation + micro)
+            (self.spec.loss(self.model(x), y) / self.accumulation).backward()
+        self._step()
+
+    def snapshot(self) -> Snapshot:
+        snap = {}
+        for name, p in self.model.named_parameters():
+            snap[name] = p.detach().clone()
+            if not p.requires_grad:
+                continue  # never stepped; the peer keeps no state for it, Adagrad does
+            for key, value in self.state_of(p).items():
+                snap[f"{name}/{key}"] = torch.as_tensor(value).detach().clone()
+        return snap
+
+
+def trajectory(
+    spec: TinySpec,
+    optimizer_class: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+    strategy: str,
+    *,
+    steps: int = 3,
+    accumulation: int = 1,
+) -> list[Snapshot]:
+    """Train ``spec`` for ``steps`` optimizer steps of ``accumulation`` micro-batches each and
+    snapshot parameters and optimizer state after every step."""
+    with training(spec, optimizer_class, kwargs, strategy, accumulation=accumulation) as run:
+        snapshots = []
+        for i in range(steps):
+            run.step(i)
+            snapshots.append(run.snapshot())
+        return snapshots
+
+
+def _start(
+    strategy: str, model: torch.nn.Module, cls: type, kwargs: dict, accumulation: int
+) -> tuple[Callable[[], None], Callable[[torch.Tensor], dict], Callable[[], None]]:
+    """(step after the micro-batches, state of a parameter, cleanup) for one strategy."""
+    nothing = lambda: None  # noqa: E731
+    if strategy in ("forloop", "foreach", "fused"):
+        impl = {"forloop": {"foreach": False}, "foreach": {"foreach": True},
+                "fused": {"fused": True}}[strategy]
+        opt = cls(model.parameters(), **{**kwargs, **impl})
+
+        def step() -> None:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        return step, lambda p: opt.state.get(p, {}), nothing
+    if strategy.startswith("in_backward"):
+        opt = OptimizerInBackward(
+            model, cls, accumulation_steps=accumulation,
+            grouped=strategy != "in_backward",
+            **{**kwargs, "foreach": strategy.endswith("foreach")},
+        )
+        return nothing, lambda p: opt.state.get(p, {}), opt.remove
+    # The peer keeps its optimizers and hook handles in module-level maps and attributes.
+    from torch.distributed.optim import apply_optimizer_in_backward as peer
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    peer._apply_optimizer_in_backward(cls, params, {**kwargs, "foreach": False})
+
+    def close() -> None:
+        for p in params:
+            for handle in peer.param_to_optim_hook_handle_map.pop(p, []):
+                handle.remove()
+            peer.param_to_acc_grad_map.pop(p, None)
+
+    def state_of(p: torch.Tensor) -> dict:
+        inner = getattr(p, "_in_backward_optimizers", None)  # frozen parameters have none
+        return inner[0].state.get(p, {}) if inner else {}
+
+    return nothing, state_of, close
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """How two trajectories differ. ``ratio`` <= 1 means within tolerance."""
+
+    bit_exact: bool
+    max_abs: float
+    ratio: float  # the largest |a - b| / (atol + rtol * |b|); inf for a mismatch when exact
+    where: str  # "step N, name" of the largest ratio, or of the first mismatch
+    tolerance: Tolerance | None
+
+    @property
+    def ok(self) -> bool:
+        return self.bit_exact if self.tolerance is None else self.ratio <= 1.0
+
+    def verdict(self) -> str:
+        if self.bit_exact:
+            return "bit-exact"
+        if self.tolerance is None:
+            return f"MISMATCH (bit-exact expected) max |diff| {self.max_abs:.3g} at {self.where}"
+        t = self.tolerance
+        head = "ok" if self.ok else "FAIL"
+        return (f"{head}: max |diff| {self.max_abs:.3g}, {self.ratio:.3g}x of tolerance "
+                f"(rtol {t.rtol:g}, atol {t.atol:g}) at {self.where}")
+
+
+def compare(
+    actual: list[Snapshot], expected: list[Snapshot], tol: Tolerance | None = None
+) -> Comparison:
+    """Compare two trajectories entry by entry, every step. ``tol=None``: bit-exact."""
+    if len(actual) != len(expected):
+        raise ValueError(f"trajectories have {len(actual)} and {len(expected)} steps")
+    exact, max_abs, ratio, where = True, 0.0, 0.0, ""
+    for step, (a, b) in enumerate(zip(actual, expected)):
+        if a.keys() != b.keys():
+            missing = sorted(set(a.keys()) ^ set(b.keys()))
+            return Comparison(False, float("inf"), float("inf"),
+                              f"step {step}, entries only on one side: {missing}", tol)
+        for key in a:
+            x, y = a[key], b[key]
+            if x.shape != y.shape:
+                return Comparison(False, float("inf"), float("inf"),
+                                  f"step {step}, {key}: shape {tuple(x.shape)} vs "
+                                  f"{tuple(y.shape)}", tol)
+            if torch.equal(x, y):
+                continue
+            exact = False
+            diff = (x.double() - y.double()).abs().nan_to_num(nan=float("inf"))
+            r = float("inf")
+            if tol is not None:
+                r = float((diff / (tol.atol + tol.rtol * y.double().abs())).max())
+            if r > ratio or not where:
+                ratio, where = r, f"step {step}, {key}"
+            max_abs = max(max_abs, float(diff.max()))
+    return Comparison(exact, max_abs, ratio, where, tol)
+
+
+def live_gradients(
+    spec: TinySpec,
+    optimizer_class: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+    strategy: str,
+) -> tuple[int, int]:
+    """(most gradients alive at once during one training step's backward, alive after it).
+
+    Counted by a tensor hook on every trainable parameter, which runs just before that
+    parameter's gradient is accumulated: the gradients already alive, plus the arriving one.
+    The optimizer in backward frees each gradient as soon as it is stepped, so it should never
+    hold more than one parameter's (per-parameter) or one module's (grouped) at a time.
+    """
+    counts: list[int] = []
+    with training(spec, optimizer_class, kwargs, strategy) as run:
+        params = [p for p in run.model.parameters() if p.requires_grad]
+
+        def count(grad: torch.Tensor) -> None:
+            counts.append(1 + sum(p.grad is not None for p in params))
+
+        handles = [p.register_hook(count) for p in params]
+        try:
+            run.step(0)
+        finally:
+            for h in handles:
+                h.remove()
+        return max(counts), sum(p.grad is not None for p in params)

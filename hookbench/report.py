@@ -1,0 +1,112 @@
+"""``hookbench report``: what hookbench verifies, run on the installed torch, as a table.
+
+Each section is a list of rows (what was checked, the verdict, whether it holds); a failed row
+makes ``hookbench report`` exit non-zero, so the report doubles as a CI check.
+"""
+
+from __future__ import annotations
+
+import inspect
+import platform
+from dataclasses import dataclass, field
+
+import torch
+
+from hookbench import hook_contract
+from hookbench.parity import FAMILIES, compare, live_gradients, tolerance, trajectory
+from hookbench.zoo import TinySpec
+
+__all__ = ["Section", "contract_section", "optimizer_in_backward_section", "render"]
+
+
+@dataclass
+class Section:
+    title: str
+    columns: tuple[str, ...]
+    rows: list[tuple[tuple[str, ...], bool]] = field(default_factory=list)
+
+    def add(self, ok: bool, *cells: str) -> None:
+        self.rows.append((cells, ok))
+
+    @property
+    def ok(self) -> bool:
+        return all(ok for _, ok in self.rows)
+
+
+def contract_section() -> Section:
+    section = Section("Hook contract (PyTorch behaviours the mechanisms rely on)",
+                      ("check", "verdict"))
+    for name, error in hook_contract.run_all().items():
+        section.add(error is None, name, "holds" if error is None else f"VIOLATED: {error}")
+    return section
+
+
+# The report's model: tied hidden layers (one parameter in two modules, used twice) and a frozen
+# first layer, trained 4 steps of 2 accumulated micro-batches, so every path of the mechanism runs.
+REPORT_SPEC = TinySpec(kind="mlp", depth=4, width=8, tied=True, frozen=True)
+STEPS, ACCUMULATION = 4, 2
+
+
+def optimizer_in_backward_section(spec: TinySpec = REPORT_SPEC) -> Section:
+    section = Section(
+        f"Optimizer in backward vs optimizer.step() ({spec.kind}, depth {spec.depth}, tied and "
+        f"frozen layers, {str(spec.dtype).removeprefix('torch.')}, {STEPS} steps x "
+        f"{ACCUMULATION} micro-batches)",
+        ("family", "comparison", "verdict"),
+    )
+    for family, (cls, kw) in FAMILIES.items():
+        runs: dict[tuple[str, int], list] = {}
+
+        def run(strategy: str, k: int = ACCUMULATION) -> list:
+            if (strategy, k) not in runs:
+                runs[strategy, k] = trajectory(spec, cls, kw, strategy, steps=STEPS,
+                                               accumulation=k)
+            return runs[strategy, k]
+
+        comparisons = [
+            ("per-parameter vs for-loop step", "in_backward", "forloop", 2),
+            ("grouped vs for-loop step", "in_backward_grouped", "forloop", 2),
+            ("grouped foreach vs foreach step", "in_backward_grouped_foreach", "foreach", 2),
+            ("per-parameter vs foreach step", "in_backward", "foreach", 2),
+            ("per-parameter vs fused step", "in_backward", "fused", 2),
+            ("torch _apply_optimizer_in_backward", "peer", "in_backward", 1),
+        ]
+        for label, actual, expected, k in comparisons:
+            if expected == "fused" and "fused" not in inspect.signature(cls).parameters:
+                section.add(True, family, label, f"skipped: {cls.__name__} has no fused kernel")
+                continue
+            try:
+                result = compare(run(actual, k), run(expected, k),
+                                 tolerance(expected if actual == "in_backward" else actual,
+                                           spec.dtype))
+                section.add(result.ok, family, label, result.verdict())
+            except RuntimeError as e:  # e.g. a hook that fires twice is refused
+                section.add(False, family, label, f"ERROR: {e}")
+        standard, _ = live_gradients(spec, cls, kw, "forloop")
+        alive, after = live_gradients(spec, cls, kw, "in_backward")
+        section.add(alive == 1 and after == 0, family, "gradients alive at once",
+                    f"{alive} in backward, {after} after (standard step: {standard})")
+    return section
+
+
+def render(sections: list[Section]) -> str:
+    lines = [
+        f"hookbench report: torch {torch.__version__}, "
+        f"CUDA {torch.cuda.get_device_name() if torch.cuda.is_available() else 'not available'}"
+        f", Python {platform.python_version()}",
+    ]
+    for section in sections:
+        widths = [max(len(c), *(len(cells[i]) for cells, _ in section.rows))
+                  for i, c in enumerate(section.columns[:-1])]
+        lines += ["", section.title]
+        lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(section.columns, widths))
+                     + "  " + section.columns[-1])
+        for cells, ok in section.rows:
+            mark = " " if ok else "!"
+            lines.append(mark + " " + "  ".join(c.ljust(w) for c, w in zip(cells, widths))
+                         + "  " + cells[-1])
+    failed = sum(not ok for s in sections for _, ok in s.rows)
+    total = sum(len(s.rows) for s in sections)
+    lines += ["", f"{total - failed} of {total} checks hold" + ("" if not failed else
+              f"; {failed} FAILED (marked !)")]
+    return "\n".join(lines)

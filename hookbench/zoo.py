@@ -1,0 +1,108 @@
+"""The models hookbench trains: small, seeded, with the shapes that break hooks.
+
+``TinySpec`` describes a random small MLP or convnet (depth, width, activation, tied and frozen
+layers, dtype); hypothesis draws them in the property tests and ``hookbench report`` uses fixed
+ones. Every model comes with deterministic data, so two strategies trained on the same spec see
+the same batches and differ only in how the optimizer is stepped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ACTIVATIONS", "TinySpec"]
+
+ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """A small model and its data.
+
+    kind: "mlp" (regression, MSE) or "convnet" (classification, cross-entropy).
+    tied: the first and last hidden layers share one weight (needs depth >= 3: two hidden
+        layers), so a parameter is used twice per forward and belongs to two modules.
+    frozen: the first layer does not require grad.
+    """
+
+    kind: str = "mlp"
+    depth: int = 2
+    width: int = 8
+    activation: str = "relu"
+    tied: bool = False
+    frozen: bool = False
+    dtype: torch.dtype = torch.float32
+    batch_size: int = 4
+    in_features: int = 6
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("mlp", "convnet"):
+            raise ValueError(f"kind must be 'mlp' or 'convnet', got {self.kind!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}")
+        if self.depth < 1 or (self.tied and self.depth < 3):
+            raise ValueError("depth must be >= 1, and >= 3 for tied hidden layers")
+
+    def build(self) -> nn.Module:
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(self.seed)
+        try:
+            model = _mlp(self) if self.kind == "mlp" else _convnet(self)
+        finally:
+            torch.random.set_rng_state(gen_state)
+        if self.frozen:
+            model[0].requires_grad_(False)
+        return model.to(self.dtype)
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The index-th (input, target) batch, the same on every call."""
+        g = torch.Generator().manual_seed(self.seed * 100_003 + index)
+        if self.kind == "mlp":
+            x = torch.randn(self.batch_size, self.in_features, generator=g, dtype=self.dtype)
+            y = torch.randn(self.batch_size, 3, generator=g, dtype=self.dtype)
+        else:
+            x = torch.randn(self.batch_size, 3, 8, 8, generator=g, dtype=self.dtype)
+            y = torch.randint(0, 5, (self.batch_size,), generator=g)
+        return x, y
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.kind == "mlp":
+            return F.mse_loss(output, target)
+        return F.cross_entropy(output, target)
+
+
+def _hidden(spec: TinySpec, make) -> list[nn.Module]:
+    layers = [make() for _ in range(spec.depth - 1)]
+    if spec.tied:
+        # Tie the first and last hidden layers, not adjacent ones, so that the shared weight is
+        # used at two distant points of the graph and its gradient has two contributions.
+        layers[-1].weight = layers[0].weight
+    act = ACTIVATIONS[spec.activation]
+    return [m for layer in layers for m in (layer, act())]
+
+
+def _mlp(spec: TinySpec) -> nn.Sequential:
+    w = spec.width
+    return nn.Sequential(
+        nn.Linear(spec.in_features, w),
+        ACTIVATIONS[spec.activation](),
+        *_hidden(spec, lambda: nn.Linear(w, w)),
+        nn.Linear(w, 3),
+    )
+
+
+def _convnet(spec: TinySpec) -> nn.Sequential:
+    w = spec.width
+    return nn.Sequential(
+        nn.Conv2d(3, w, 3, padding=1),
+        ACTIVATIONS[spec.activation](),
+        *_hidden(spec, lambda: nn.Conv2d(w, w, 3, padding=1)),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(w, 5),
+    )

@@ -1,0 +1,90 @@
+"""The suite fails when post-accumulate-grad hooks misbehave.
+
+Each fault of hookbench.faults is injected and the suite's own checks must catch it: the hook
+contract, the parity of optimizer-in-backward with a standard step, the live-gradient count,
+and, end to end, a pytest run of the mechanism's test file with the fault injected.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hookbench import hook_contract
+from hookbench.faults import FAULTS, inject
+from hookbench.parity import FAMILIES, compare, live_gradients, trajectory
+from hookbench.zoo import TinySpec
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Which contract checks each fault must break; the first one named is the check written for it.
+CAUGHT_BY_CONTRACT = {
+    "fires_twice": {"once_per_backward_tied", "registration_order", "retain_graph_second_backward"},
+    "stops_after_first_backward": {"retain_graph_second_backward"},
+    "fires_before_accumulation": {"sees_accumulated_grad", "firing_order", "free_grad_in_hook"},
+}
+
+
+def test_every_fault_has_expectations():
+    assert set(CAUGHT_BY_CONTRACT) == set(FAULTS)
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_hook_contract_catches(fault):
+    assert all(v is None for v in hook_contract.run_all().values())  # clean first
+    with inject(fault):
+        failed = {name for name, error in hook_contract.run_all().items() if error}
+    assert CAUGHT_BY_CONTRACT[fault] <= failed
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+@pytest.mark.parametrize("family", ["sgd", "adam"])
+def test_optimizer_in_backward_checks_catch(fault, family):
+    cls, kw = FAMILIES[family]
+    spec = TinySpec(depth=3, tied=True)
+    expected = trajectory(spec, cls, kw, "forloop", steps=3, accumulation=2)
+    assert compare(trajectory(spec, cls, kw, "in_backward", steps=3, accumulation=2),
+                   expected).bit_exact
+    assert live_gradients(spec, cls, kw, "in_backward")[0] == 1
+    with inject(fault):
+        try:
+            diverged = not compare(
+                trajectory(spec, cls, kw, "in_backward", steps=3, accumulation=2), expected
+            ).bit_exact
+            # A hook that fires too early is rescued numerically by the end-of-backward flush,
+            # but then every gradient lives until the end: the memory check gives it away.
+            kept_alive = live_gradients(spec, cls, kw, "in_backward")[0] > 1
+        except RuntimeError as e:  # OptimizerInBackward refuses a hook that fires twice
+            assert "fired twice" in str(e)
+            diverged = kept_alive = True
+    assert diverged or kept_alive, f"{fault} went unnoticed"
+
+
+def test_inject_restores_pytorch_even_when_the_block_raises():
+    original = torch.Tensor.register_post_accumulate_grad_hook
+    with pytest.raises(KeyError):
+        with inject("fires_twice"):
+            assert torch.Tensor.register_post_accumulate_grad_hook is not original
+            raise KeyError
+    assert torch.Tensor.register_post_accumulate_grad_hook is original
+
+
+def test_unknown_fault_is_refused():
+    with pytest.raises(ValueError, match="unknown fault 'nope'"):
+        with inject("nope"):
+            pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_the_test_suite_fails_under(fault):
+    # The mechanism's own test file (not the contract file) must go red with the fault injected.
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "tests/test_optimizer_in_backward.py", "-x",
+         "-p", "no:cacheprovider", "--benchmark-disable", f"--hookbench-fault={fault}"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, proc.stdout[-3000:] + proc.stderr
+    assert f"FAULT INJECTED: {fault}" in proc.stdout

@@ -1,0 +1,472 @@
+"""OptimizerInBackward against a standard optimizer.step(): property tests, the memory property
+(gradients never all alive), schedulers, checkpoints, errors, and the grouped-mode benchmark."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import assume, given, strategies as st
+from torch import nn
+
+from hookbench.faults import inject
+from hookbench.optimizer_in_backward import OptimizerInBackward
+from hookbench.parity import (
+    FAMILIES,
+    compare,
+    live_gradients,
+    tolerance,
+    training,
+    trajectory,
+)
+from hookbench.zoo import ACTIVATIONS, TinySpec
+
+# -- strategies ---------------------------------------------------------------------------------
+
+
+@st.composite
+def tiny_specs(draw, dtypes=(torch.float32, torch.float64)) -> TinySpec:
+    depth = draw(st.integers(1, 4))
+    return TinySpec(
+        kind=draw(st.sampled_from(["mlp", "convnet"])),
+        depth=depth,
+        width=draw(st.sampled_from([2, 4, 8])),
+        activation=draw(st.sampled_from(sorted(ACTIVATIONS))),
+        tied=depth >= 3 and draw(st.booleans()),
+        frozen=draw(st.booleans()),
+        dtype=draw(st.sampled_from(dtypes)),
+        batch_size=draw(st.integers(1, 4)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+lrs = st.sampled_from([1e-3, 1e-2, 5e-2])
+decays = st.sampled_from([0.0, 1e-2])
+
+
+@st.composite
+def optimizers(draw, families=("sgd", "adam", "adamw", "rmsprop", "adagrad")):
+    """(optimizer class, kwargs) with randomized hyperparameters, for-loop implementation."""
+    family = draw(st.sampled_from(families))
+    kw = {"lr": draw(lrs), "weight_decay": draw(decays), "maximize": draw(st.booleans())}
+    if family == "sgd":
+        kw["momentum"] = draw(st.sampled_from([0.0, 0.5, 0.9]))
+        kw["nesterov"] = kw["momentum"] > 0 and draw(st.booleans())
+        kw["dampening"] = 0.0 if kw["nesterov"] else draw(st.sampled_from([0.0, 0.1]))
+        return torch.optim.SGD, kw
+    if family in ("adam", "adamw"):
+        kw["amsgrad"] = draw(st.booleans())
+        kw["betas"] = draw(st.sampled_from([(0.9, 0.999), (0.8, 0.99)]))
+        return (torch.optim.Adam if family == "adam" else torch.optim.AdamW), kw
+    if family == "rmsprop":
+        kw["momentum"] = draw(st.sampled_from([0.0, 0.5]))
+        kw["centered"] = draw(st.booleans())
+        return torch.optim.RMSprop, kw
+    kw["lr_decay"] = draw(st.sampled_from([0.0, 1e-3]))
+    kw["initial_accumulator_value"] = draw(st.sampled_from([0.0, 0.1]))
+    return torch.optim.Adagrad, kw
+
+
+steps = st.integers(1, 4)
+accumulations = st.integers(1, 3)
+
+# -- equivalence --------------------------------------------------------------------------------
+
+
+@given(spec=tiny_specs(), opt=optimizers(), n=steps, k=accumulations,
+       mode=st.sampled_from(["in_backward", "in_backward_grouped"]))
+def test_in_backward_is_bit_exact_with_forloop_step(spec, opt, n, k, mode):
+    # Identical arithmetic on identical gradients: parameters and state equal after every step.
+    cls, kw = opt
+    expected = trajectory(spec, cls, kw, "forloop", steps=n, accumulation=k)
+    result = compare(trajectory(spec, cls, kw, mode, steps=n, accumulation=k), expected)
+    assert result.bit_exact, result.verdict()
+
+
+@given(spec=tiny_specs(), opt=optimizers(), n=steps, k=accumulations,
+       path=st.sampled_from(["foreach", "fused"]))
+def test_in_backward_matches_foreach_and_fused_within_tolerance(spec, opt, n, k, path):
+    cls, kw = opt
+    assume(path != "fused" or cls is not torch.optim.RMSprop)  # RMSprop has no fused kernel
+    expected = trajectory(spec, cls, kw, path, steps=n, accumulation=k)
+    result = compare(trajectory(spec, cls, kw, "in_backward", steps=n, accumulation=k),
+                     expected, tolerance(path, spec.dtype))
+    assert result.ok, result.verdict()
+
+
+@given(spec=tiny_specs(), opt=optimizers(), n=steps, k=accumulations)
+def test_grouped_foreach_matches_standard_foreach(spec, opt, n, k):
+    # The point of the grouped mode: the foreach kernels run inside each module.
+    cls, kw = opt
+    expected = trajectory(spec, cls, kw, "foreach", steps=n, accumulation=k)
+    result = compare(trajectory(spec, cls, kw, "in_backward_grouped_foreach", steps=n,
+                                accumulation=k), expected, tolerance("foreach", spec.dtype))
+    assert result.ok, result.verdict()
+
+
+@given(spec=tiny_specs(), opt=optimizers(), n=steps)
+def test_same_trajectory_as_torch_apply_optimizer_in_backward(spec, opt, n):
+    cls, kw = opt
+    result = compare(trajectory(spec, cls, kw, "in_backward", steps=n),
+                     trajectory(spec, cls, kw, "peer", steps=n))
+    assert result.bit_exact, result.verdict()
+
+
+# -- float64 reference of the update rules -----------------------------------------------------
+
+
+def _reference_sgd(p, g, state, lr, momentum, dampening, nesterov, weight_decay, maximize):
+    g = -g if maximize else g
+    g = g + weight_decay * p
+    if momentum:
+        buf = state.get("buf")
+        buf = g.clone() if buf is None else momentum * buf + (1 - dampening) * g
+        state["buf"] = buf
+        g = g + momentum * buf if nesterov else buf
+    return p - lr * g
+
+
+def _reference_adam(p, g, state, lr, betas, weight_decay, amsgrad, maximize, decoupled, eps=1e-8):
+    g = -g if maximize else g
+    if decoupled:
+        p = p * (1 - lr * weight_decay)
+    else:
+        g = g + weight_decay * p
+    t = state["t"] = state.get("t", 0) + 1
+    m = state["m"] = betas[0] * state.get("m", torch.zeros_like(p)) + (1 - betas[0]) * g
+    v = state["v"] = betas[1] * state.get("v", torch.zeros_like(p)) + (1 - betas[1]) * g * g
+    if amsgrad:
+        v = state["vmax"] = torch.maximum(state.get("vmax", torch.zeros_like(p)), v)
+    denom = v.sqrt() / (1 - betas[1] ** t) ** 0.5 + eps
+    return p - lr / (1 - betas[0] ** t) * m / denom
+
+
+# The reference runs in float64 from torch's own gradients, so the gap is torch's rounding in the
+# parameter dtype: a few ulps per elementwise op, ~10 ops per step, 4 steps; fp32 ulp 1.2e-7 and
+# fp64 ulp 2.2e-16, with ~100x headroom. Updates are at most ~lr (<= 0.05) in size.
+_REFERENCE_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6),
+                  torch.float64: dict(rtol=1e-12, atol=1e-14)}
+
+
+@given(spec=tiny_specs(), opt=optimizers(families=("sgd", "adam", "adamw")), n=steps)
+def test_sgd_and_adam_follow_a_float64_reference_of_the_update_rule(spec, opt, n):
+    # Catches a change in torch's own optimizer arithmetic, which the bit-exact comparisons
+    # above cannot: they only say that two torch paths agree with each other.
+    cls, kw = opt
+    model = spec.build()
+    opt_ = cls(model.parameters(), foreach=False, **kw)
+    params = [p for p in model.parameters() if p.requires_grad]
+    ref = {p: p.detach().double().clone() for p in params}
+    states: dict = {p: {} for p in params}
+    for i in range(n):
+        x, y = spec.batch(i)
+        spec.loss(model(x), y).backward()
+        for p in params:
+            g = p.grad.double()
+            if cls is torch.optim.SGD:
+                ref[p] = _reference_sgd(ref[p], g, states[p], **kw)
+            else:
+                ref[p] = _reference_adam(ref[p], g, states[p], kw["lr"], kw["betas"],
+                                         kw["weight_decay"], kw["amsgrad"], kw["maximize"],
+                                         decoupled=cls is torch.optim.AdamW)
+        opt_.step()
+        opt_.zero_grad()
+        for p in params:
+            torch.testing.assert_close(p.detach().double(), ref[p], **_REFERENCE_TOL[spec.dtype])
+
+
+# -- memory: gradients never all alive ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["sgd", "adam"])
+def test_gradients_are_freed_as_soon_as_stepped(family):
+    cls, kw = FAMILIES[family]
+    spec = TinySpec(depth=4, width=8, tied=True, frozen=True)
+    n_trainable = sum(p.requires_grad for p in spec.build().parameters())
+    # A standard step holds every gradient at once; this is what optimizer-in-backward removes.
+    assert live_gradients(spec, cls, kw, "forloop") == (n_trainable, 0)
+    # Per parameter: only the arriving gradient; grouped: one Linear's weight and bias.
+    assert live_gradients(spec, cls, kw, "in_backward") == (1, 0)
+    assert live_gradients(spec, cls, kw, "in_backward_grouped") == (2, 0)
+
+
+def test_live_gradient_check_catches_a_hook_that_fires_too_early():
+    # Fault: the hook runs before accumulation, so nothing is freed during backward and the
+    # end-of-backward flush steps everything at once; numerics survive, the memory saving not.
+    cls, kw = FAMILIES["adam"]
+    spec = TinySpec(depth=3)
+    with inject("fires_before_accumulation"):
+        peak, _ = live_gradients(spec, cls, kw, "in_backward")
+    assert peak > 1
+
+
+# -- scheduler, accumulation edge cases, checkpoints -------------------------------------------
+
+
+def _train(model, spec, n, opt=None, sched=None, k=1, start=0):
+    for i in range(start, start + n):
+        for micro in range(k):
+            x, y = spec.batch(i * k + micro)
+            (spec.loss(model(x), y) / k).backward()
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
+        if sched is not None:
+            sched.step()
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_one_scheduler_drives_all_inner_optimizers(grouped):
+    # OneCycleLR also cycles Adam's beta1, so every group option must reach the inner optimizers.
+    spec = TinySpec(depth=3, width=8)
+    std_model, oib_model = spec.build(), spec.build()
+    std = torch.optim.Adam(std_model.parameters(), lr=1e-2, foreach=False)
+    std_sched = torch.optim.lr_scheduler.OneCycleLR(std, max_lr=0.05, total_steps=6)
+    with OptimizerInBackward(oib_model, torch.optim.Adam, lr=1e-2, foreach=False,
+                             grouped=grouped) as oib:
+        oib_sched = torch.optim.lr_scheduler.OneCycleLR(oib, max_lr=0.05, total_steps=6)
+        for i in range(5):
+            _train(std_model, spec, 1, std, std_sched, start=i)
+            _train(oib_model, spec, 1, None, oib_sched, start=i)
+            for a, b in zip(std_model.parameters(), oib_model.parameters()):
+                assert torch.equal(a, b), f"step {i}"
+            assert oib_sched.get_last_lr() == std_sched.get_last_lr()
+            assert oib.param_groups[0]["betas"] == std.param_groups[0]["betas"]
+
+
+class _TwoHeads(nn.Module):
+    """Head b is used only on odd micro-batches: its gradient comes from some backwards only."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+        self.calls = 0
+
+    def forward(self, x):
+        h = self.body(x).relu()
+        self.calls += 1
+        return self.a(h) + (self.b(h) if self.calls % 2 == 0 else 0)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_parameters_without_gradient_in_the_stepping_backward(grouped, k):
+    # Head b's gradient may come from an earlier micro-batch than the k-th; a standard step
+    # still applies it, so the end-of-backward flush must too.
+    torch.manual_seed(0)
+    std_model = _TwoHeads()
+    oib_model = copy.deepcopy(std_model)
+    std = torch.optim.SGD(std_model.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    data = torch.randn(12, 3, 4)
+    with OptimizerInBackward(oib_model, torch.optim.SGD, lr=0.1, momentum=0.9, foreach=False,
+                             grouped=grouped, accumulation_steps=k):
+        for i, x in enumerate(data):
+            std_model(x).square().mean().div(k).backward()
+            oib_model(x).square().mean().div(k).backward()
+            if (i + 1) % k == 0:
+                std.step()
+                std.zero_grad()
+                for a, b in zip(std_model.parameters(), oib_model.parameters()):
+                    assert torch.equal(a, b), f"micro-batch {i}"
+
+
+def test_frozen_parameters_get_no_hook_state_or_update():
+    spec = TinySpec(depth=3, frozen=True)
+    model = spec.build()
+    frozen = [p.detach().clone() for p in model[0].parameters()]
+    with OptimizerInBackward(model, torch.optim.Adam, lr=0.1) as opt:
+        _train(model, spec, 2)
+        for p, before in zip(model[0].parameters(), frozen):
+            assert not p._post_accumulate_grad_hooks
+            assert p not in opt.state
+            assert torch.equal(p, before)
+
+
+def test_tied_parameter_steps_once_per_backward():
+    spec = TinySpec(depth=3, tied=True)
+    model = spec.build()
+    tied = model[2].weight
+    assert tied is model[4].weight
+    with OptimizerInBackward(model, torch.optim.Adam, lr=0.1) as opt:
+        _train(model, spec, 3)
+        assert int(opt.state[tied]["step"]) == 3
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_state_dict_interchanges_with_a_standard_optimizer(grouped):
+    spec = TinySpec(depth=3, tied=True, frozen=True)
+    kw = dict(lr=1e-2, weight_decay=1e-2, foreach=False)
+    std_model, oib_model = spec.build(), spec.build()
+    std = torch.optim.AdamW(std_model.named_parameters(), **kw)
+    _train(std_model, spec, 2, std)
+    oib_model.load_state_dict(std_model.state_dict())
+    with OptimizerInBackward(oib_model, torch.optim.AdamW, grouped=grouped, **kw) as oib:
+        # deepcopy as a saved checkpoint would be: Optimizer.load_state_dict does not copy the
+        # 'step' tensors, so loading a live state dict would share them between optimizers.
+        oib.load_state_dict(copy.deepcopy(std.state_dict()))  # a standard checkpoint loads ...
+        _train(std_model, spec, 2, std, start=2)
+        _train(oib_model, spec, 2, start=2)
+        for a, b in zip(std_model.parameters(), oib_model.parameters()):
+            assert torch.equal(a, b)
+        back = torch.optim.AdamW(std_model.named_parameters(), **kw)
+        back.load_state_dict(copy.deepcopy(oib.state_dict()))  # ... and goes back
+        assert back.state_dict()["param_groups"] == std.state_dict()["param_groups"]
+        for i, s in std.state_dict()["state"].items():
+            for key, value in s.items():
+                assert torch.equal(back.state_dict()["state"][i][key], value)
+
+
+def test_state_dict_is_matched_by_parameter_name():
+    # A checkpoint whose groups list the same parameters in another order loads by name.
+    spec = TinySpec(depth=2)
+    model = spec.build()
+    named = list(model.named_parameters())
+    std = torch.optim.Adam(list(reversed(named)), lr=1e-2)
+    _train(model, spec, 1, std)
+    with OptimizerInBackward(model, torch.optim.Adam, lr=1e-2) as oib:
+        oib.load_state_dict(copy.deepcopy(std.state_dict()))
+        for p in model.parameters():
+            assert torch.equal(oib.state[p]["exp_avg"], std.state[p]["exp_avg"])
+
+
+# -- errors leave the model and optimizer as they were -----------------------------------------
+
+
+def _hooks(model):
+    """Post-accumulate-grad hooks per parameter."""
+    return [len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters()]
+
+
+class _NeedsClosure(torch.optim.Optimizer):
+    def step(self, closure):  # like LBFGS
+        return closure()
+
+
+@pytest.mark.parametrize("make, error, match", [
+    (lambda m: OptimizerInBackward(m, torch.optim.Adam, max_grad_norm=1.0), ValueError,
+     "global gradient-norm clipping needs the norm over every gradient"),
+    (lambda m: OptimizerInBackward(m, torch.optim.LBFGS), ValueError, "needs a closure"),
+    (lambda m: OptimizerInBackward(m, _NeedsClosure), ValueError, "needs a closure"),
+    (lambda m: OptimizerInBackward(m, torch.optim.Adam(m.parameters())), TypeError,
+     "got an instance of Adam"),
+    (lambda m: OptimizerInBackward(m, nn.Linear), TypeError, "Optimizer subclass"),
+    (lambda m: OptimizerInBackward(m.state_dict(), torch.optim.Adam), TypeError, "nn.Module"),
+    (lambda m: OptimizerInBackward(m, torch.optim.Adam, accumulation_steps=0), ValueError,
+     "accumulation_steps must be >= 1"),
+    (lambda m: OptimizerInBackward(m, torch.optim.Adam, accumulation_steps=1.5), TypeError,
+     "accumulation_steps must be an int"),
+    (lambda m: OptimizerInBackward(m, torch.optim.Adam, lr=-1.0), ValueError,
+     "Invalid learning rate"),
+    (lambda m: OptimizerInBackward(m, torch.optim.Adam, [m[0].weight * 2]), ValueError,
+     "non-leaf tensor"),
+    (lambda m: OptimizerInBackward(m, torch.optim.Adam, [nn.Parameter(torch.ones(2))]),
+     ValueError, "not a parameter of the model"),
+    (lambda m: OptimizerInBackward(m, torch.optim.Adam, [m[0].weight, m[0].weight]),
+     ValueError, "appears in more than one place"),
+    (lambda m: OptimizerInBackward(m, torch.optim.Adam, [{"lr": 1.0}]), ValueError,
+     "has no 'params'"),
+    (lambda m: OptimizerInBackward(m, torch.optim.Adam, [{"params": [m[0].bias],
+                                                         "clip_grad_norm": 1.0}]),
+     ValueError, "not supported"),
+])
+def test_bad_input_raises_a_clear_error_and_leaves_the_model_unchanged(make, error, match):
+    model = TinySpec(depth=2).build()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(error, match=match):
+        make(model)
+    assert _hooks(model) == [0] * len(before)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_registering_twice_on_one_model_is_refused():
+    model = TinySpec(depth=2).build()
+    with OptimizerInBackward(model, torch.optim.Adam, lr=1e-2):
+        hooks = _hooks(model)
+        with pytest.raises(ValueError, match="already stepped by another OptimizerInBackward"):
+            OptimizerInBackward(model, torch.optim.SGD, lr=1e-2)
+        assert _hooks(model) == hooks == [1] * len(hooks)
+    OptimizerInBackward(model, torch.optim.SGD, lr=1e-2).remove()  # free again after removal
+
+
+def test_clip_grad_norm_is_refused_with_advice():
+    model = TinySpec().build()
+    with OptimizerInBackward(model, torch.optim.Adam) as opt:
+        with pytest.raises(ValueError, match="Clip per parameter instead"):
+            opt.clip_grad_norm_(1.0)
+
+
+def test_bad_state_dict_is_refused_before_anything_changes():
+    spec = TinySpec(depth=2)
+    model = spec.build()
+    with OptimizerInBackward(model, torch.optim.Adam, lr=1e-2) as opt:
+        _train(model, spec, 1)
+        good = copy.deepcopy(opt.state_dict())
+        bad = copy.deepcopy(good)
+        bad["state"][0]["exp_avg"] = torch.zeros(99)
+        with pytest.raises(ValueError, match=r"state 'exp_avg' of parameter '0.weight' has shape"):
+            opt.load_state_dict(bad)
+        renamed = copy.deepcopy(good)
+        renamed["param_groups"][0]["param_names"][0] = "nope"
+        with pytest.raises(ValueError, match=r"missing \['0.weight'\], unexpected \['nope'\]"):
+            opt.load_state_dict(renamed)
+        after = opt.state_dict()
+        for i, s in good["state"].items():
+            assert all(torch.equal(after["state"][i][k], v) for k, v in s.items())
+
+
+# -- hooks removed, the model restored ---------------------------------------------------------
+
+
+def test_remove_restores_the_model_exactly():
+    spec = TinySpec(depth=3, tied=True)
+    model = spec.build()
+    with OptimizerInBackward(model, torch.optim.Adam, lr=1e-2):
+        _train(model, spec, 1)
+    assert _hooks(model) == [0] * len(_hooks(model))
+    # Trained as a standard model from here: gradients stay in .grad and nothing steps.
+    weights = [p.detach().clone() for p in model.parameters()]
+    _train(model, spec, 1)
+    assert all(p.grad is not None for p in model.parameters())
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_hooks_are_removed_when_forward_or_backward_raises(where):
+    model = TinySpec(depth=2).build()
+
+    def boom(*_):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with OptimizerInBackward(model, torch.optim.SGD, lr=0.1):
+            h = model[0].register_forward_hook(boom) if where == "forward" else \
+                model[0].weight.register_hook(boom)
+            try:
+                model(torch.ones(1, 6)).sum().backward()
+            finally:
+                h.remove()
+    assert _hooks(model) == [0] * len(_hooks(model))
+
+
+def test_a_hook_that_fires_twice_is_refused_not_stepped_twice():
+    model = TinySpec(depth=2).build()
+    with inject("fires_twice"), OptimizerInBackward(model, torch.optim.SGD, lr=0.1):
+        with pytest.raises(RuntimeError, match="fired twice for parameter"):
+            model(torch.ones(1, 6)).sum().backward()
+
+
+# -- speed ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "strategy", ["forloop", "foreach", "in_backward", "in_backward_grouped_foreach"])
+def test_benchmark_step_time(benchmark, strategy):
+    # A 12-layer MLP of width 256 (~0.8M parameters): one training step per round.
+    spec = TinySpec(depth=12, width=256, in_features=256, batch_size=32)
+    cls, kw = FAMILIES["adam"]
+    benchmark.extra_info["strategy"] = strategy
+    with training(spec, cls, kw, strategy) as run:
+        run.step(0)  # Adam creates its state lazily: time the steady state
+        benchmark(run.step, 1)
