@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import assume, given, strategies as st
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hookbench.faults import inject
 from hookbench.optimizer_in_backward import OptimizerInBackward
@@ -455,6 +456,28 @@ def test_a_hook_that_fires_twice_is_refused_not_stepped_twice():
     with inject("fires_twice"), OptimizerInBackward(model, torch.optim.SGD, lr=0.1):
         with pytest.raises(RuntimeError, match="fired twice for parameter"):
             model(torch.ones(1, 6)).sum().backward()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing(reentrant):
+    # Pinned: non-reentrant checkpointing matches a standard step bit for bit; reentrant runs a
+    # nested backward, the hook of a weight used inside and outside the checkpoint fires in
+    # each, and the weight is stepped twice on partial gradients. The README says to avoid it.
+    torch.manual_seed(0)
+    std_model = nn.Linear(3, 3)
+    oib_model = copy.deepcopy(std_model)
+    x = torch.randn(2, 3, requires_grad=True)
+
+    def run(m):
+        m(checkpoint(m, x, use_reentrant=reentrant)).sum().backward()
+
+    std = torch.optim.SGD(std_model.parameters(), lr=0.1)
+    run(std_model)
+    std.step()
+    with OptimizerInBackward(oib_model, torch.optim.SGD, lr=0.1):
+        run(oib_model)
+    same = [torch.equal(a, b) for a, b in zip(std_model.parameters(), oib_model.parameters())]
+    assert same == ([False, False] if reentrant else [True, True])
 
 
 # -- speed ---------------------------------------------------------------------------------------
