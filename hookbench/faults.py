@@ -51,10 +51,25 @@ def _fires_before_accumulation(original: _Register) -> _Register:
     return register
 
 
+def _keeps_gradients_alive(original: _Register) -> _Register:
+    # Something holds every gradient the hook sees, so freeing .grad in the hook frees nothing.
+    kept: list[torch.Tensor] = []
+
+    def register(self, hook):
+        def keep(t):
+            kept.append(t.grad)
+            hook(t)
+
+        return original(self, keep)
+
+    return register
+
+
 FAULTS: dict[str, Callable[[_Register], _Register]] = {
     "fires_twice": _fires_twice,
     "stops_after_first_backward": _stops_after_first_backward,
     "fires_before_accumulation": _fires_before_accumulation,
+    "keeps_gradients_alive": _keeps_gradients_alive,
 }
 
 

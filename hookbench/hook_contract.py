@@ -9,6 +9,7 @@ the bug is fixed the check fails, on purpose, so that the fix is noticed and rev
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -103,14 +104,21 @@ def firing_order() -> None:
 
 
 def free_grad_in_hook() -> None:
-    """Setting .grad = None inside the hook frees it: nothing is left after backward."""
-    p = _leaf(1024)
-    handle = p.register_post_accumulate_grad_hook(lambda t: setattr(t, "grad", None))
+    """Setting .grad = None inside the hook frees it: its storage is gone after backward."""
+    p, storages = _leaf(1024), []
+
+    def free(t: torch.Tensor) -> None:
+        storages.append(weakref.ref(t.grad.untyped_storage()))
+        t.grad = None
+
+    handle = p.register_post_accumulate_grad_hook(free)
     try:
         (p * 2).sum().backward()
     finally:
         handle.remove()
     _expect(p.grad is None, "a gradient set to None inside the hook exists after backward")
+    _expect(len(storages) == 1 and storages[0]() is None,
+            "the gradient's storage outlived backward although .grad was set to None in the hook")
 
 
 def removal() -> None:

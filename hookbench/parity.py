@@ -17,6 +17,8 @@ Strategies:
 from __future__ import annotations
 
 import contextlib
+import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -32,6 +34,7 @@ __all__ = [
     "Tolerance",
     "compare",
     "live_gradients",
+    "start",
     "tolerance",
     "training",
     "trajectory",
@@ -105,7 +108,7 @@ def training(
     if strategy == "peer" and accumulation != 1:
         raise ValueError("the peer _apply_optimizer_in_backward has no gradient accumulation")
     model = spec.build()
-    step, state_of, close = _start(strategy, model, optimizer_class, kwargs, accumulation)
+    step, state_of, close = start(strategy, model, optimizer_class, kwargs, accumulation)
     try:
         yield Training(spec, model, accumulation, step, state_of)
     finally:
@@ -157,7 +160,7 @@ def trajectory(
         return snapshots
 
 
-def _start(
+def start(
     strategy: str, model: torch.nn.Module, cls: type, kwargs: dict, accumulation: int
 ) -> tuple[Callable[[], None], Callable[[torch.Tensor], dict], Callable[[], None]]:
     """(step after the micro-batches, state of a parameter, cleanup) for one strategy."""
@@ -263,21 +266,28 @@ def live_gradients(
     """(most gradients alive at once during one training step's backward, alive after it).
 
     Counted by a tensor hook on every trainable parameter, which runs just before that
-    parameter's gradient is accumulated: the gradients already alive, plus the arriving one.
+    parameter's gradient is accumulated. A gradient counts as alive while ``p.grad`` is set or
+    while the storage that arrived for it still exists (so a reference kept elsewhere counts).
     The optimizer in backward frees each gradient as soon as it is stepped, so it should never
     hold more than one parameter's (per-parameter) or one module's (grouped) at a time.
     """
     counts: list[int] = []
     with training(spec, optimizer_class, kwargs, strategy) as run:
         params = [p for p in run.model.parameters() if p.requires_grad]
+        arrived: dict[int, weakref.ref] = {}
 
-        def count(grad: torch.Tensor) -> None:
-            counts.append(1 + sum(p.grad is not None for p in params))
+        def alive() -> int:
+            return sum(p.grad is not None or (i in arrived and arrived[i]() is not None)
+                       for i, p in enumerate(params))
 
-        handles = [p.register_hook(count) for p in params]
+        def count(i: int, grad: torch.Tensor) -> None:
+            arrived[i] = weakref.ref(grad.untyped_storage())
+            counts.append(alive())
+
+        handles = [p.register_hook(functools.partial(count, i)) for i, p in enumerate(params)]
         try:
             run.step(0)
         finally:
             for h in handles:
                 h.remove()
-        return max(counts), sum(p.grad is not None for p in params)
+        return max(counts), alive()

@@ -13,10 +13,18 @@ from dataclasses import dataclass, field
 import torch
 
 from hookbench import hook_contract
+from hookbench.memory import CATEGORIES, MemoryResult
 from hookbench.parity import FAMILIES, compare, live_gradients, tolerance, trajectory
 from hookbench.zoo import TinySpec
 
-__all__ = ["Section", "contract_section", "optimizer_in_backward_section", "render"]
+__all__ = [
+    "MEMORY_STRATEGIES",
+    "Section",
+    "contract_section",
+    "memory_section",
+    "optimizer_in_backward_section",
+    "render",
+]
 
 
 @dataclass
@@ -86,6 +94,35 @@ def optimizer_in_backward_section(spec: TinySpec = REPORT_SPEC) -> Section:
         alive, after = live_gradients(spec, cls, kw, "in_backward")
         section.add(alive == 1 and after == 0, family, "gradients alive at once",
                     f"{alive} in backward, {after} after (standard step: {standard})")
+    return section
+
+
+MEMORY_STRATEGIES = ("foreach", "forloop", "fused", "in_backward", "in_backward_grouped_foreach")
+
+
+def memory_section(results: list[MemoryResult]) -> Section:
+    """Peak and breakdown per strategy, the distance to the floor and the saving against the
+    standard foreach step. A row fails when an in-backward strategy does not beat the standard
+    step or ever holds every gradient at once."""
+    first = results[0]
+    section = Section(
+        f"Peak memory of one training step ({first.model}, batch {first.batch_size}, Adam, "
+        f"backend {first.backend}; GB)",
+        ("strategy", "peak", "params", "grads", "opt state", "activations", "temporaries",
+         "floor", "vs floor", "vs foreach", "grads alive at once"),
+    )
+    standard = next(r for r in results if r.strategy == "foreach")
+    for r in results:
+        in_backward = r.strategy.startswith("in_backward")
+        ok = not in_backward or (r.peak < standard.peak
+                                 and r.gradients_alive_max < r.all_gradients)
+        section.add(
+            ok, r.strategy, f"{r.peak / 1e9:.3f}",
+            *(f"{r.peak_breakdown[c] / 1e9:.3f}" for c in CATEGORIES),
+            f"{r.floor / 1e9:.3f}", f"{r.above_floor:+.1%}",
+            f"{r.peak / standard.peak - 1:+.1%}",
+            f"{r.gradients_alive_max / 1e9:.3f} of {r.all_gradients / 1e9:.3f}",
+        )
     return section
 
 

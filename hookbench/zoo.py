@@ -1,8 +1,10 @@
-"""The models hookbench trains: small, seeded, with the shapes that break hooks.
+"""The models hookbench trains, each with deterministic data and its loss.
 
 ``TinySpec`` describes a random small MLP or convnet (depth, width, activation, tied and frozen
 layers, dtype); hypothesis draws them in the property tests and ``hookbench report`` uses fixed
-ones. Every model comes with deterministic data, so two strategies trained on the same spec see
+ones. ``ZooSpec`` names a real model (torchvision's resnet18, vit_b_16, vit_l_16, and a small
+GPT-style transformer) for memory measurement and benchmarks. Both have ``build()``,
+``batch(index)`` and ``loss(output, target)``, so two strategies trained on the same spec see
 the same batches and differ only in how the optimizer is stepped.
 """
 
@@ -14,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ACTIVATIONS", "TinySpec"]
+__all__ = ["ACTIVATIONS", "ZOO", "TinySpec", "TinyTransformer", "ZooSpec"]
 
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
 
@@ -106,3 +108,77 @@ def _convnet(spec: TinySpec) -> nn.Sequential:
         nn.Flatten(),
         nn.Linear(w, 5),
     )
+
+
+class TinyTransformer(nn.Module):
+    """A small decoder-style language model: embedding, pre-norm encoder layers, tied head."""
+
+    def __init__(self, vocab: int = 1000, dim: int = 256, layers: int = 4, heads: int = 4,
+                 seq_len: int = 128) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(seq_len, dim))
+        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True,
+                                           norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied, as in GPT-2
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        n = tokens.shape[1]
+        mask = nn.Transformer.generate_square_subsequent_mask(n, device=tokens.device)
+        h = self.embed(tokens) + self.pos[:n]
+        return self.head(self.norm(self.blocks(h, mask=mask, is_causal=True)))
+
+
+def _torchvision(name: str):
+    def build() -> nn.Module:
+        import torchvision
+
+        return getattr(torchvision.models, name)()
+
+    return build
+
+
+# name -> (builder, input kind); images are 3x224x224 with 1000 classes.
+ZOO = {
+    "resnet18": (_torchvision("resnet18"), "image"),
+    "vit_b_16": (_torchvision("vit_b_16"), "image"),
+    "vit_l_16": (_torchvision("vit_l_16"), "image"),
+    "transformer": (TinyTransformer, "tokens"),
+}
+
+
+@dataclass(frozen=True)
+class ZooSpec:
+    """A model of the zoo at a batch size, with deterministic data and its loss."""
+
+    name: str
+    batch_size: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in ZOO:
+            raise ValueError(f"unknown model {self.name!r}; the zoo has {sorted(ZOO)}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+    def build(self) -> nn.Module:
+        gen_state = torch.random.get_rng_state()
+        torch.manual_seed(self.seed)
+        try:
+            return ZOO[self.name][0]()
+        finally:
+            torch.random.set_rng_state(gen_state)
+
+    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + index)
+        if ZOO[self.name][1] == "image":
+            x = torch.randn(self.batch_size, 3, 224, 224, generator=g)
+            return x, torch.randint(0, 1000, (self.batch_size,), generator=g)
+        tokens = torch.randint(0, 1000, (self.batch_size, 129), generator=g)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(output.flatten(0, -2), target.flatten())

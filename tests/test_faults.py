@@ -24,6 +24,7 @@ CAUGHT_BY_CONTRACT = {
     "fires_twice": {"once_per_backward_tied", "registration_order", "retain_graph_second_backward"},
     "stops_after_first_backward": {"retain_graph_second_backward"},
     "fires_before_accumulation": {"sees_accumulated_grad", "firing_order", "free_grad_in_hook"},
+    "keeps_gradients_alive": {"free_grad_in_hook"},
 }
 
 

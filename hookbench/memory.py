@@ -1,0 +1,396 @@
+"""Peak memory of one training step, measured and attributed to what holds it.
+
+``measure(spec, strategy)`` runs warm-up steps (Adam creates its state lazily), then one
+measured step (forward, backward, optimizer) and returns a ``MemoryResult``: the peak, its
+breakdown into parameters, gradients, optimizer state, activations and temporaries, a timeline
+of the same, the most gradient bytes alive at once, and the theoretical floor of the step.
+
+Backends:
+    fake   the default without a GPU. The step runs under ``FakeTensorMode`` on fake CPU tensors
+           (no data, so ViT-L's 6 GB step takes seconds and little real memory) while
+           ``StorageTracker`` counts live tensor storage with the CUDA caching allocator's
+           512-byte rounding. Deterministic to the byte: this is how CPU CI gates memory.
+    eager  the same tracker on real CPU tensors; it must agree with ``fake`` exactly.
+    cuda   real tensors on the GPU. The gated number is ``torch.cuda.max_memory_allocated``
+           after ``reset_peak_memory_stats``; also ``max_memory_reserved``, the process's
+           device memory from NVML, a memory snapshot for https://pytorch.org/memory_viz and
+           the tracker's attribution. Refuses to run without CUDA: it never reports 0.
+
+Categories: parameters (with buffers), gradients, optimizer state, activations, temporaries.
+They are assigned when a storage is allocated (forward: activations; backward and
+optimizer: temporaries) and corrected at each phase boundary and at every new peak by looking
+at what the model and optimizer hold: parameters, ``p.grad``, optimizer state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import pickle
+import weakref
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from hookbench import parity
+
+__all__ = ["BACKENDS", "CATEGORIES", "MemoryResult", "StorageTracker", "measure"]
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+BACKENDS = ("fake", "eager", "cuda")
+_BY_PHASE = {"data": "activations", "forward": "activations", "backward": "temporaries",
+             "optimizer": "temporaries", "idle": "temporaries"}
+
+
+@dataclass(eq=False)
+class _Record:
+    nbytes: int
+    category: str
+    ref: Any = None  # the weakref whose callback un-counts the storage; kept alive here
+
+
+class StorageTracker(TorchDispatchMode):
+    """Counts the live storage of every tensor an op returns, by category.
+
+    ``round_to``: allocation granularity; 512 is what the CUDA caching allocator rounds every
+    block to, so fake CPU tensors are counted as CUDA would count them. Storage resized in place
+    (``UntypedStorage.resize_``, used by FSDP) is not seen.
+    """
+
+    def __init__(self, round_to: int = 512) -> None:
+        super().__init__()
+        self.round_to = round_to
+        self.phase = "idle"
+        self.totals = dict.fromkeys(CATEGORIES, 0)
+        self.peak = 0
+        self.peak_breakdown = dict(self.totals)
+        self.peak_phase = "idle"
+        self.timeline: list[tuple[str, tuple[int, ...]]] = []
+        self.on_new_peak: Callable[[], None] | None = None
+        self._records: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._refreshing = False
+        self._counting = True
+
+    @property
+    def current(self) -> int:
+        return sum(self.totals.values())
+
+    def rounded(self, nbytes: int) -> int:
+        return math.ceil(nbytes / self.round_to) * self.round_to
+
+    def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
+        """Count ``tensor``'s storage; with ``category``, (re)classify it."""
+        try:
+            storage = tensor.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # sparse, nested: no plain storage
+            return
+        record = self._records.get(storage)
+        if record is not None:
+            if category is not None and record.category != category:
+                self.totals[record.category] -= record.nbytes
+                self.totals[category] += record.nbytes
+                record.category = category
+            return
+        record = _Record(self.rounded(storage.nbytes()), category or _BY_PHASE[self.phase])
+        record.ref = weakref.ref(storage, partial(self._freed, record))
+        self._records[storage] = record
+        self._change(record.category, record.nbytes)
+
+    def reset_peak(self) -> None:
+        """Like ``torch.cuda.reset_peak_memory_stats``: the peak restarts from what is live."""
+        self.peak = self.current
+        self.peak_breakdown = dict(self.totals)
+        self.peak_phase = self.phase
+        self.timeline = [(self.phase, tuple(self.totals.values()))]
+
+    def __exit__(self, *exc: Any) -> None:
+        # Stop counting: storages freed after the measurement (the model, the optimizer) must
+        # not extend the timeline.
+        self._counting = False
+        self.on_new_peak = None
+        return super().__exit__(*exc)
+
+    def _freed(self, record: _Record, _ref: weakref.ref) -> None:
+        if self._counting:
+            self._change(record.category, -record.nbytes)
+
+    def _change(self, category: str, delta: int) -> None:
+        self.totals[category] += delta
+        self.timeline.append((self.phase, tuple(self.totals.values())))
+        if self.current > self.peak and not self._refreshing:
+            if self.on_new_peak is not None:
+                self._refreshing = True
+                try:
+                    self.on_new_peak()
+                finally:
+                    self._refreshing = False
+            self.peak = self.current
+            self.peak_breakdown = dict(self.totals)
+            self.peak_phase = self.phase
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.track(t)
+        return out
+
+
+@dataclass
+class MemoryResult:
+    """One measured training step. Bytes throughout; ``peak`` is the gated number."""
+
+    model: str
+    strategy: str
+    backend: str
+    batch_size: int
+    peak: int
+    peak_breakdown: dict[str, int]  # the tracker's attribution at its peak
+    peak_phase: str
+    parameters: int
+    optimizer_state: int
+    all_gradients: int  # every trainable parameter's gradient, as if all were alive
+    gradients_alive_max: int  # the most gradient bytes alive at once in the measured step
+    activations_peak: int
+    # The least any implementation of this strategy could need: parameters and optimizer state
+    # live throughout; the peak activations must coexist with them at the end of forward, and
+    # the gradients the strategy needs at once (all of them for a standard step, one parameter's
+    # or one module's in backward) before they are stepped. A lower bound, so the larger of the
+    # two, not their sum (a for-loop step already runs below the sum).
+    floor: int
+    floor_breakdown: dict[str, int]
+    timeline: list[tuple[str, tuple[int, ...]]] = field(repr=False)
+    device: dict[str, Any] = field(default_factory=dict)  # cuda: allocator, NVML, snapshot
+
+    @property
+    def above_floor(self) -> float:
+        """(peak - floor) / floor: how far the step is from the least it could need."""
+        return self.peak / self.floor - 1
+
+    def to_dict(self, timeline_points: int = 400) -> dict[str, Any]:
+        d = asdict(self)
+        step = max(1, len(self.timeline) // timeline_points)
+        d["timeline"] = {"categories": CATEGORIES,
+                         "points": [[p, list(v)] for p, v in self.timeline[::step]]}
+        d["above_floor"] = self.above_floor
+        return d
+
+
+def measure(
+    spec: Any,
+    strategy: str = "foreach",
+    *,
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.Adam,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    backend: str = "fake",
+    warmup: int = 1,
+    snapshot_path: str | os.PathLike | None = None,
+    round_to: int = 512,
+) -> MemoryResult:
+    """Measure one training step of ``spec`` (a ``ZooSpec`` or ``TinySpec``) after ``warmup``.
+
+    ``strategy`` is one of ``hookbench.parity.STRATEGIES`` except ``peer``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose from {BACKENDS}")
+    if strategy not in parity.STRATEGIES or strategy == "peer":
+        raise ValueError(f"unknown strategy {strategy!r}; choose from "
+                         f"{[s for s in parity.STRATEGIES if s != 'peer']}")
+    if warmup < 1:
+        raise ValueError("warmup must be >= 1: the first step is not steady state")
+    if backend == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("the cuda backend needs CUDA, and torch.cuda.is_available() is "
+                           "False; use backend='fake' for a device-independent measurement")
+    with contextlib.ExitStack() as stack:
+        if backend == "fake":
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            with torch.device("meta"):  # outside FakeTensorMode, which refuses meta tensors
+                model = spec.build()
+            stack.enter_context(FakeTensorMode())
+            _materialize(model)
+            device = torch.device("cpu")
+        else:
+            device = torch.device("cuda" if backend == "cuda" else "cpu")
+            model = spec.build().to(device)
+        return _measure(model, spec, strategy, optimizer_class, optimizer_kwargs or {"lr": 1e-3},
+                        backend, device, warmup, snapshot_path, round_to, stack)
+
+
+def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapshot_path,
+             round_to, stack) -> MemoryResult:
+    tracker = StorageTracker(round_to)
+    params = [p for p in model.parameters()]
+    trainable = [p for p in params if p.requires_grad]
+    step_optimizer, state_of, close = parity.start(strategy, model, cls, kwargs, 1)
+    stack.callback(close)
+
+    def state_tensors() -> Iterator[torch.Tensor]:
+        for p in params:
+            for v in state_of(p).values():
+                if torch.is_tensor(v):
+                    yield v
+
+    def refresh_gradients() -> None:
+        for p in trainable:
+            if p.grad is not None:
+                tracker.track(p.grad, "gradients")
+
+    def classify() -> None:
+        for t in (*params, *model.buffers()):  # buffers (BatchNorm statistics) count as model
+            tracker.track(t, "parameters")
+        refresh_gradients()
+        for t in state_tensors():
+            tracker.track(t, "optimizer_state")
+
+    grads_alive: list[int] = [0]
+
+    def count_gradients(grad: torch.Tensor) -> None:
+        alive = sum(tracker.rounded(p.grad.untyped_storage().nbytes())
+                    for p in trainable if p.grad is not None)
+        grads_alive[0] = max(grads_alive[0], alive + tracker.rounded(grad.nbytes))
+
+    def one_step(index: int) -> None:
+        tracker.phase = "data"
+        x, y = (t.to(device) for t in spec.batch(index))
+        tracker.phase = "forward"
+        loss = spec.loss(model(x), y)
+        classify()
+        tracker.phase = "backward"
+        loss.backward()
+        del loss
+        classify()
+        tracker.phase = "optimizer"
+        step_optimizer()
+        classify()
+        tracker.phase = "idle"
+
+    cuda = backend == "cuda"
+    with tracker:
+        classify()
+        for i in range(warmup):
+            one_step(i)
+        classify()
+        tracker.on_new_peak = refresh_gradients
+        hooks = [p.register_hook(count_gradients) for p in trainable]
+        stack.callback(lambda: [h.remove() for h in hooks])
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            if snapshot_path is not None:
+                torch.cuda.memory._record_memory_history(max_entries=200_000)
+        tracker.reset_peak()
+        one_step(warmup)
+        classify()
+    activations_peak = max(v[CATEGORIES.index("activations")] for _, v in tracker.timeline)
+    device_info = _cuda_readings(snapshot_path) if cuda else {}
+    rounded = [tracker.rounded(p.nbytes) for p in trainable]
+    floor = {
+        "parameters": tracker.totals["parameters"],
+        "optimizer_state": tracker.totals["optimizer_state"],
+        "activations_peak": activations_peak,
+        "gradients_needed": _gradients_needed(model, strategy, tracker),
+    }
+    peak = device_info["max_memory_allocated"] if cuda else tracker.peak
+    return MemoryResult(
+        model=getattr(spec, "name", type(spec).__name__),
+        strategy=strategy,
+        backend=backend,
+        batch_size=spec.batch_size,
+        peak=peak,
+        peak_breakdown=tracker.peak_breakdown,
+        peak_phase=tracker.peak_phase,
+        parameters=tracker.totals["parameters"],
+        optimizer_state=tracker.totals["optimizer_state"],
+        all_gradients=sum(rounded),
+        gradients_alive_max=grads_alive[0],
+        activations_peak=activations_peak,
+        floor=floor["parameters"] + floor["optimizer_state"]
+        + max(floor["activations_peak"], floor["gradients_needed"]),
+        floor_breakdown=floor,
+        timeline=tracker.timeline,
+        device=device_info,
+    )
+
+
+def _gradients_needed(model: nn.Module, strategy: str, tracker: StorageTracker) -> int:
+    """The gradient bytes a strategy cannot do without at one moment."""
+    if strategy == "in_backward":  # one parameter's
+        return max(tracker.rounded(p.nbytes) for p in model.parameters() if p.requires_grad)
+    if strategy.startswith("in_backward_grouped"):  # one module's own parameters'
+        return max(sum(tracker.rounded(p.nbytes) for p in m.parameters(recurse=False)
+                       if p.requires_grad) for m in model.modules())
+    return sum(tracker.rounded(p.nbytes) for p in model.parameters() if p.requires_grad)
+
+
+def _materialize(model: nn.Module) -> None:
+    """Give a meta-device model fake CPU parameters and buffers (inside FakeTensorMode).
+
+    Building under FakeTensorMode directly fails: torchvision's ViT init calls trunc_normal_,
+    which loops on data. Initial values do not affect memory, so empty tensors do.
+    """
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                if id(p) not in new:  # tied parameters stay tied
+                    new[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                              requires_grad=p.requires_grad)
+                module._parameters[name] = new[id(p)]
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
+
+
+def _cuda_readings(snapshot_path: str | os.PathLike | None) -> dict[str, Any]:
+    torch.cuda.synchronize()
+    info: dict[str, Any] = {
+        "device_name": torch.cuda.get_device_name(),
+        "max_memory_allocated": torch.cuda.max_memory_allocated(),
+        "max_memory_reserved": torch.cuda.max_memory_reserved(),
+    }
+    if info["max_memory_allocated"] <= 0:
+        raise RuntimeError("torch.cuda.max_memory_allocated() returned 0 after a training "
+                           "step: the allocator statistics are not working; refusing to report")
+    if snapshot_path is not None:
+        path = Path(snapshot_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as f:
+            pickle.dump(torch.cuda.memory._snapshot(), f)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        info["snapshot"] = str(path)
+    info.update(_nvml_readings())
+    return info
+
+
+def _nvml_readings() -> dict[str, Any]:
+    """This process's device memory and the device's used memory, from NVML (information only:
+    it includes the CUDA context and the allocator's cache)."""
+    try:
+        import pynvml
+    except ImportError:
+        return {"nvml": "pynvml (nvidia-ml-py) not installed"}
+    try:
+        pynvml.nvmlInit()
+        index = torch.cuda.current_device()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            index = int(visible.split(",")[index])
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        mine = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                if p.pid == os.getpid()]
+        return {"nvml_process_bytes": mine[0] if mine else None,
+                "nvml_device_used_bytes": pynvml.nvmlDeviceGetMemoryInfo(handle).used}
+    except pynvml.NVMLError as e:
+        return {"nvml": f"NVML error: {e}"}
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()

@@ -1,0 +1,50 @@
+"""Figures: memory over one training step, stacked by category, one panel per strategy, like the
+figures of the PyTorch tutorial on fusing the optimizer step into backward."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from hookbench.memory import CATEGORIES, MemoryResult
+
+__all__ = ["memory_timeline"]
+
+_COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
+           "activations": "#c44e52", "temporaries": "#8172b3"}
+
+
+def memory_timeline(results: Sequence[MemoryResult], path: str | Path) -> Path:
+    """Write a PNG with one stacked-area panel per result; returns its path."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), sharey=True,
+                             squeeze=False)
+    for ax, r in zip(axes[0], results):
+        xs = range(len(r.timeline))
+        series = [[v[i] / 1e9 for _, v in r.timeline] for i in range(len(CATEGORIES))]
+        ax.stackplot(xs, *series, labels=CATEGORIES, colors=[_COLORS[c] for c in CATEGORIES])
+        start = 0
+        for i in range(1, len(r.timeline) + 1):  # phase boundaries as thin lines with names
+            if i == len(r.timeline) or r.timeline[i][0] != r.timeline[start][0]:
+                if i - start >= len(r.timeline) // 50:  # too short to label legibly
+                    ax.axvline(start, color="black", lw=0.4, alpha=0.4)
+                    ax.text(start, 0.0, f" {r.timeline[start][0]}", fontsize=7, rotation=90,
+                            va="bottom")
+                start = i
+        ax.axhline(r.peak / 1e9, color="black", ls="--", lw=0.8)
+        ax.set_title(f"{r.strategy}\npeak {r.peak / 1e9:.2f} GB ({r.backend})", fontsize=9)
+        ax.set_xlabel("allocation events in one step")
+    axes[0][0].set_ylabel("GB")
+    axes[0][-1].legend(loc="upper right", fontsize=7)
+    fig.suptitle(f"{results[0].model}, batch {results[0].batch_size}: memory during one "
+                 f"training step", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,222 @@
+"""Peak memory of a training step: ViT-L/16 from ~6 GB to ~4 GB, on the fake backend (CPU CI)
+and on a GPU; the tracker checked against real tensors and against torch's MemTracker; and an
+injected memory regression that the checks must catch."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+
+from hookbench.faults import inject
+from hookbench.memory import measure
+from hookbench.zoo import ZooSpec
+
+GB = 1e9
+VIT_L = ZooSpec("vit_l_16", batch_size=1)
+STRATEGIES = ("foreach", "forloop", "fused", "in_backward", "in_backward_grouped_foreach")
+
+
+@pytest.fixture(scope="session")
+def vit_l():
+    """Fake-backend ViT-L/16 measurements, each made once per session (~5-10 s each)."""
+    cache: dict[str, object] = {}
+
+    def get(strategy: str):
+        if strategy not in cache:
+            cache[strategy] = measure(VIT_L, strategy)
+        return cache[strategy]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def vit_l_sizes():
+    """Exact sizes from the model's shapes: parameters P (each rounded to the allocator's 512 B,
+    as the tracker counts), the number of parameters, and the largest parameter."""
+    with torch.device("meta"):
+        params = list(VIT_L.build().parameters())
+    rounded = [-(-p.nbytes // 512) * 512 for p in params]
+    return sum(rounded), len(params), max(rounded)
+
+
+def check_fused_into_backward(result, standard) -> list[str]:
+    """The memory promises of optimizer-in-backward; the list of those broken."""
+    broken = []
+    # The tutorial's figure: ~4 GB (params 1.2 + Adam state 2.4 + ~0.4 activations).
+    if not 3.9 * GB <= result.peak <= 4.1 * GB:
+        broken.append(f"peak {result.peak / GB:.3f} GB outside [3.9, 4.1] GB")
+    # The saving is the point: at least 30% below the standard step (the tutorial: 6 -> 4 GB).
+    if result.peak > 0.7 * standard.peak:
+        broken.append(f"peak {result.peak / GB:.3f} GB is not 30% below {standard.peak / GB:.3f}")
+    # Nothing but the unavoidable: within 2% of the floor (params + state + activations).
+    if abs(result.above_floor) > 0.02:
+        broken.append(f"peak is {result.above_floor:+.2%} from the floor")
+    # Gradients never all alive: at most a few parameters' worth (the largest is 16.8 MB of
+    # 1.22 GB), so 5% of all gradients is a generous bound.
+    if result.gradients_alive_max > 0.05 * result.all_gradients:
+        broken.append(f"{result.gradients_alive_max / GB:.3f} GB of gradients alive at once")
+    return broken
+
+
+# -- ViT-L/16, fake backend: the tutorial's figures ---------------------------------------------
+
+
+def test_standard_foreach_step_is_about_6_gb(vit_l, vit_l_sizes):
+    r = vit_l("foreach")
+    P, n, _ = vit_l_sizes
+    b = r.peak_breakdown
+    assert r.peak_phase == "optimizer"
+    assert b["parameters"] == P == r.parameters  # 304,326,632 fp32 parameters: 1.217 GB
+    # Adam's exp_avg and exp_avg_sq (2P) and one scalar 'step' tensor per parameter (512 B each).
+    assert b["optimizer_state"] == 2 * P + 512 * n == r.optimizer_state
+    # Every gradient (P), plus 0.8 MB: the class token's gradient is a view that keeps the
+    # whole 197-token gradient of the concatenation alive (AccumulateGrad steals it as is).
+    assert P <= b["gradients"] <= P + 1_000_000
+    # The foreach step's intermediates: one parameter-sized list (the tutorial's 1.2 GB).
+    assert 0.98 * P <= b["temporaries"] <= 1.02 * P
+    # The tutorial's ~6 GB; seen 6.088 GB here, byte-identical run to run.
+    assert 6.0 * GB <= r.peak <= 6.2 * GB
+    assert r.peak == sum(b.values())
+
+
+def test_standard_forloop_and_fused_steps_have_their_own_breakdown(vit_l, vit_l_sizes):
+    P, n, largest = vit_l_sizes
+    state = 2 * P + 512 * n
+    for strategy in ("forloop", "fused"):
+        r = vit_l(strategy)
+        # No foreach intermediates: params + grads + state, plus at most a few parameters'
+        # worth of per-tensor temporaries (the for-loop handles one tensor at a time; fused
+        # updates in place). NOTES.md saw 4.90 GB for the single-tensor path.
+        assert r.optimizer_state == state
+        floor = r.parameters + r.all_gradients + state
+        assert floor <= r.peak <= floor + 3 * largest, strategy
+        assert r.peak_breakdown["temporaries"] <= 3 * largest, strategy
+        assert 4.8 * GB <= r.peak <= 5.0 * GB, strategy
+
+
+@pytest.mark.parametrize("strategy", ["in_backward", "in_backward_grouped_foreach"])
+def test_optimizer_in_backward_is_about_4_gb(vit_l, strategy):
+    r = vit_l(strategy)
+    assert check_fused_into_backward(r, vit_l("foreach")) == []
+    assert r.peak_breakdown["gradients"] < 0.05 * r.all_gradients
+
+
+def test_measurement_is_deterministic_and_rejects_bad_input():
+    spec = ZooSpec("transformer")
+    a, b = measure(spec, "foreach"), measure(spec, "foreach")
+    assert a.peak == b.peak and a.timeline == b.timeline
+    with pytest.raises(ValueError, match="unknown backend 'gpu'"):
+        measure(spec, backend="gpu")
+    with pytest.raises(ValueError, match="unknown strategy 'peer'"):
+        measure(spec, "peer")
+    with pytest.raises(ValueError, match="warmup must be >= 1"):
+        measure(spec, warmup=0)
+    with pytest.raises(ValueError, match="unknown model 'vgg'"):
+        ZooSpec("vgg")
+
+
+# -- the tracker, cross-checked ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["resnet18", "transformer"])
+@pytest.mark.parametrize("strategy", ["foreach", "in_backward"])
+def test_fake_and_real_tensors_give_the_same_bytes(name, strategy):
+    fake = measure(ZooSpec(name), strategy, backend="fake")
+    real = measure(ZooSpec(name), strategy, backend="eager")
+    assert fake.peak == real.peak
+    assert fake.peak_breakdown == real.peak_breakdown
+    assert fake.timeline == real.timeline
+
+
+def test_agrees_with_torch_memtracker():
+    mem_tracker = pytest.importorskip(
+        "torch.distributed._tools.mem_tracker",
+        reason="torch.distributed._tools.mem_tracker (private) is not in this torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from hookbench.memory import _materialize
+
+    spec = ZooSpec("vit_b_16")
+    with torch.device("meta"):
+        model = spec.build()
+    with FakeTensorMode():
+        _materialize(model)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
+
+        def step(i):
+            x, y = spec.batch(i)
+            spec.loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+        step(0)
+        tracker = mem_tracker.MemTracker()
+        tracker.track_external(model, opt)
+        with tracker:
+            step(1)
+        peer = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    # MemTracker rounds only CUDA tensors, so compare unrounded; its categories differ (it
+    # counts foreach intermediates as optimizer state), its total must not. Seen: identical.
+    ours = measure(spec, "foreach", round_to=1).peak
+    assert abs(ours - peer) <= 0.01 * peer, (ours, peer)
+
+
+def test_cuda_backend_refuses_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available; the gpu tier measures instead")
+    with pytest.raises(RuntimeError, match="torch.cuda.is_available\\(\\) is False"):
+        measure(ZooSpec("transformer"), backend="cuda")
+
+
+# -- an injected memory regression is caught ----------------------------------------------------
+
+
+def test_a_gradient_kept_alive_breaks_the_memory_checks(vit_l):
+    with inject("keeps_gradients_alive"):
+        leaky = measure(VIT_L, "in_backward")
+    broken = check_fused_into_backward(leaky, vit_l("foreach"))
+    assert any("outside [3.9, 4.1] GB" in b for b in broken), broken
+    assert any("from the floor" in b for b in broken), broken
+    # ... while the numbers without the fault pass, above.
+    assert check_fused_into_backward(vit_l("in_backward"), vit_l("foreach")) == []
+
+
+# -- GPU tier ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def gpu_out(tmp_path_factory) -> Path:
+    """Where GPU results go: $HOOKBENCH_OUT if set (the runner collects it), else a temp dir."""
+    out = Path(os.environ.get("HOOKBENCH_OUT") or tmp_path_factory.mktemp("gpu"))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_vit_l_from_6_to_4_gb(gpu_out, vit_l):
+    results = {}
+    for strategy in ("foreach", "in_backward"):
+        snapshot = gpu_out / f"vit_l_16-{strategy}.pickle"
+        r = measure(VIT_L, strategy, backend="cuda", snapshot_path=snapshot)
+        results[strategy] = r
+        print(f"\n{strategy}: max_memory_allocated {r.peak / GB:.3f} GB, reserved "
+              f"{r.device['max_memory_reserved'] / GB:.3f} GB, NVML {r.device}, "
+              f"snapshot {snapshot} (open at https://pytorch.org/memory_viz)")
+        assert r.peak > 0
+        with open(snapshot, "rb") as f:
+            assert pickle.load(f)["segments"], "the snapshot holds no segments"
+    std, fused = results["foreach"], results["in_backward"]
+    # The tutorial's figures on a GPU: ~6 GB and ~4 GB. Allocator rounding is what the fake
+    # backend models, so allow 5% for cuBLAS workspaces and kernels' own scratch space; Adam's
+    # 'step' tensors stay on the CPU there (~150 kB less).
+    assert abs(std.peak - vit_l("foreach").peak) <= 0.05 * vit_l("foreach").peak
+    assert abs(fused.peak - vit_l("in_backward").peak) <= 0.05 * vit_l("in_backward").peak
+    assert fused.peak <= 0.7 * std.peak
+    (gpu_out / "gpu_memory.json").write_text(json.dumps(
+        {s: r.to_dict() for s, r in results.items()}, indent=1, default=str))
+
