@@ -1,7 +1,9 @@
 """The ``hookbench`` command line.
 
-    hookbench report    verify the hook mechanisms and measure peak memory on the installed
-                        torch; writes a PNG and a JSON; exits 1 when a check fails
+    hookbench report        verify the hook mechanisms and measure peak memory on the installed
+                            torch; writes a PNG and a JSON; exits 1 when a check fails
+    hookbench capture       capture a zoo model's activations and print a per-layer table
+    hookbench coord-check   the muP coordinate check: width sweep, verdict, plot; exits 1 on FAIL
 """
 
 from __future__ import annotations
@@ -14,9 +16,10 @@ from pathlib import Path
 
 import torch
 
-from hookbench import report
+from hookbench import plot, report
+from hookbench.activation_capture import ActivationCapture
+from hookbench.coord_check import coord_check
 from hookbench.memory import measure
-from hookbench.plot import memory_timeline
 from hookbench.zoo import ZOO, ZooSpec
 
 
@@ -40,7 +43,7 @@ def _report(args: argparse.Namespace) -> int:
         results.append(measure(spec, strategy, backend=backend, snapshot_path=snapshot))
         _progress(f"  peak {results[-1].peak / 1e9:.3f} GB ({time.perf_counter() - started:.1f} s)")
     sections.append(report.memory_section(results))
-    png = memory_timeline(results, out / "memory.png")
+    png = plot.memory_timeline(results, out / "memory.png")
     data = {"torch": torch.__version__, "backend": backend, "model": spec.name,
             "batch_size": spec.batch_size, "memory": [r.to_dict() for r in results],
             "checks": [{"section": s.title, "row": list(cells), "ok": ok}
@@ -50,6 +53,47 @@ def _report(args: argparse.Namespace) -> int:
     print(f"\nwrote {png} and {out / 'report.json'}"
           + (f" and memory snapshots in {out}" if backend == "cuda" else ""))
     return 0 if all(s.ok for s in sections) else 1
+
+
+def _capture(args: argparse.Namespace) -> int:
+    spec = ZooSpec(args.model, batch_size=args.batch_size)
+    model = spec.build().eval()
+    x, _ = spec.batch(0)
+    with torch.no_grad(), ActivationCapture(model, include=args.include or None,
+                                            exclude=args.exclude or None, stats=args.stats) as cap:
+        model(x)
+    rows = cap.table()
+    width = max(len(f"{r['name']}{'.' + r['path'] if r['path'] else ''}") for r in rows)
+    print(f"{spec.name}, batch {spec.batch_size}: {len(rows)} outputs from "
+          f"{len({r['name'] for r in rows})} modules ({'statistics' if args.stats else 'tensors'})")
+    print(f"{'module':{width}}  call  {'shape':20}  " + "  ".join(f"{s:>10}" for s in _COLUMNS))
+    for r in rows:
+        name = r["name"] + ("." + r["path"] if r["path"] else "")
+        print(f"{name:{width}}  {r['call']:>4}  {str(tuple(r['shape'])):20}  "
+              + "  ".join(f"{r[s]:>10.4g}" for s in _COLUMNS))
+    return 0
+
+
+_COLUMNS = ("mean", "std", "min", "max", "rms", "mean_abs")
+
+
+def _coord_check(args: argparse.Namespace) -> int:
+    widths = tuple(int(w) for w in args.widths.split(","))
+    _progress(f"training {args.model} ({args.parametrization}) at widths {widths}, "
+              f"{args.seeds} seeds, {args.steps} steps ...")
+    result = coord_check(args.model, args.parametrization, widths=widths, steps=args.steps,
+                         seeds=args.seeds, lr=args.lr, band=args.band)
+    name = max(len(n) for n in result.coords)
+    print(f"{'layer':{name}}  " + "  ".join(f"step {t:<3}" for t in range(result.steps + 1))
+          + "   (growth of mean |x| from the narrowest to any wider width)")
+    for layer in result.coords:
+        print(f"{layer:{name}}  " + "  ".join(
+            f"{result.growth(layer, t):7.2f}{'!' if result.growth(layer, t) > result.band else ' '}"
+            for t in range(result.steps + 1)))
+    png = plot.coord_check(result, Path(args.out) / f"coord-check-{args.model}-"
+                                                    f"{args.parametrization}.png")
+    print(f"\n{result.verdict()}\nwrote {png}")
+    return 0 if result.passed else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +113,28 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--batch-size", type=int, default=1)
     rep.add_argument("--out", default="hookbench-out", help="folder for the PNG, JSON, snapshots")
     rep.set_defaults(run=_report)
+
+    cap = commands.add_parser("capture", help="capture a zoo model's activations, print a table")
+    cap.add_argument("--model", choices=sorted(ZOO), default="resnet18")
+    cap.add_argument("--batch-size", type=int, default=1)
+    cap.add_argument("--include", action="append", help="module name or glob; repeatable")
+    cap.add_argument("--exclude", action="append", help="module name or glob; repeatable")
+    cap.add_argument("--stats", action="store_true",
+                     help="compute statistics inside the hooks instead of keeping tensors")
+    cap.set_defaults(run=_capture)
+
+    coord = commands.add_parser("coord-check", help="the muP coordinate check (width sweep)")
+    coord.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
+    coord.add_argument("--parametrization", choices=("mup", "sp"), default="mup")
+    coord.add_argument("--widths", default="32,64,128,256,512",
+                       help="comma-separated, increasing (default: 16x from 32)")
+    coord.add_argument("--steps", type=int, default=3)
+    coord.add_argument("--seeds", type=int, default=3)
+    coord.add_argument("--lr", type=float, default=1e-2)
+    coord.add_argument("--band", type=float, default=2.0,
+                       help="largest allowed growth of mean |x| across the widths")
+    coord.add_argument("--out", default="hookbench-out")
+    coord.set_defaults(run=_coord_check)
     args = parser.parse_args(argv)
     if getattr(args, "batch_size", 1) < 1:
         parser.error("--batch-size must be >= 1")

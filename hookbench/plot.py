@@ -1,14 +1,16 @@
-"""Figures: memory over one training step, stacked by category, one panel per strategy, like the
-figures of the PyTorch tutorial on fusing the optimizer step into backward."""
+"""Figures (matplotlib, written as PNG): memory over one training step, stacked by category, one
+panel per strategy, like the figures of the PyTorch tutorial on fusing the optimizer step into
+backward; and the coordinate check's width sweep."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Sequence
 
+from hookbench.coord_check import CoordCheck
 from hookbench.memory import CATEGORIES, MemoryResult
 
-__all__ = ["memory_timeline"]
+__all__ = ["coord_check", "memory_timeline"]
 
 _COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
            "activations": "#c44e52", "temporaries": "#8172b3"}
@@ -16,11 +18,7 @@ _COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "
 
 def memory_timeline(results: Sequence[MemoryResult], path: str | Path) -> Path:
     """Write a PNG with one stacked-area panel per result; returns its path."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display needed
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), sharey=True,
                              squeeze=False)
     for ax, r in zip(axes[0], results):
@@ -42,9 +40,41 @@ def memory_timeline(results: Sequence[MemoryResult], path: str | Path) -> Path:
     axes[0][-1].legend(loc="upper right", fontsize=7)
     fig.suptitle(f"{results[0].model}, batch {results[0].batch_size}: memory during one "
                  f"training step", fontsize=10)
+    return _save(fig, path)
+
+
+def coord_check(result: CoordCheck, path: str | Path) -> Path:
+    """Write the coordinate-check PNG: width against mean |x| on log-log axes, one panel per
+    step, one line per layer (flat lines: muP is right)."""
+    plt = _pyplot()
+    steps = result.steps + 1
+    fig, axes = plt.subplots(1, steps, figsize=(3.2 * steps, 3.4), sharey=True, squeeze=False)
+    for t, ax in enumerate(axes[0]):
+        for layer, stats in result.coords.items():
+            ax.plot(result.widths, stats["mean_abs"][t], marker=".", lw=1, label=layer)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"step {t}", fontsize=9)
+        ax.set_xlabel("width")
+    axes[0][0].set_ylabel("mean |x|")
+    axes[0][-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    fig.suptitle(result.verdict(), fontsize=8)
+    return _save(fig, path)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _pyplot().close(fig)
     return path

@@ -63,3 +63,26 @@ def test_console_script_is_installed():
     script = Path(sys.executable).parent / "hookbench"  # installed beside this interpreter
     proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "report" in proc.stdout
+
+
+def test_capture_prints_a_per_layer_table(capsys):
+    assert main(["capture", "--model", "resnet18", "--include", "layer1*", "--stats"]) == 0
+    out = capsys.readouterr().out
+    assert "resnet18, batch 1: 15 outputs from 13 modules (statistics)" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("layer1.0.relu ")]
+    assert [r[1] for r in rows] == ["0", "1"]  # the block's ReLU, called twice
+
+
+def test_capture_names_close_matches_for_a_typo(capsys):
+    assert main(["capture", "--include", "layr1"]) == 2
+    assert "did you mean ['layer1'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("parametrization, code", [("mup", 0), ("sp", 1)])
+def test_coord_check_verdict_and_plot(capsys, tmp_path, parametrization, code):
+    argv = ["coord-check", "--parametrization", parametrization, "--widths", "32,512",
+            "--seeds", "1", "--out", str(tmp_path)]
+    assert main(argv) == code
+    out = capsys.readouterr().out
+    assert ("PASS" if code == 0 else "FAIL") in out
+    assert (tmp_path / f"coord-check-mlp-{parametrization}.png").exists()
