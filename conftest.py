@@ -107,9 +107,5 @@ def _no_leaked_hooks():
 
 @pytest.fixture(autouse=True)
 def _injected_fault(request: pytest.FixtureRequest):
-    fault = request.config.getoption("--hookbench-fault")
-    if fault is None:
-        yield
-        return
-    with inject(fault):
+    with inject(request.config.getoption("--hookbench-fault")):
         yield

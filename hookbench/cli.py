@@ -4,6 +4,8 @@
                             torch; writes a PNG and a JSON; exits 1 when a check fails
     hookbench capture       capture a zoo model's activations and print a per-layer table
     hookbench coord-check   the muP coordinate check: width sweep, verdict, plot; exits 1 on FAIL
+    hookbench zero2         ZeRO-2 demo: per-rank peak memory and parity; under torchrun
+                            (torchrun --nproc-per-node 2 -m hookbench.cli zero2) or spawning
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from pathlib import Path
 
 import torch
 
-from hookbench import plot, report
+from hookbench import launch, plot, report, zero2
 from hookbench.activation_capture import ActivationCapture
 from hookbench.coord_check import coord_check
 from hookbench.memory import measure
-from hookbench.zoo import ZOO, ZooSpec
+from hookbench.parity import Tolerance, compare, trajectory
+from hookbench.zoo import ZOO, TinySpec, ZooSpec
 
 
 def _progress(message: str) -> None:
@@ -43,6 +46,7 @@ def _report(args: argparse.Namespace) -> int:
         results.append(measure(spec, strategy, backend=backend, snapshot_path=snapshot))
         _progress(f"  peak {results[-1].peak / 1e9:.3f} GB ({time.perf_counter() - started:.1f} s)")
     sections.append(report.memory_section(results))
+    sections.append(_zero2_section(spec, backend, results))
     png = plot.memory_timeline(results, out / "memory.png")
     data = {"torch": torch.__version__, "backend": backend, "model": spec.name,
             "batch_size": spec.batch_size, "memory": [r.to_dict() for r in results],
@@ -53,6 +57,92 @@ def _report(args: argparse.Namespace) -> int:
     print(f"\nwrote {png} and {out / 'report.json'}"
           + (f" and memory snapshots in {out}" if backend == "cuda" else ""))
     return 0 if all(s.ok for s in sections) else 1
+
+
+def _zero2_section(spec: ZooSpec, backend: str, results: list) -> report.Section:
+    _progress("ZeRO-2: parity on 2 gloo ranks ...")
+    tiny = TinySpec(depth=3, width=8, batch_size=6)
+    cases = [dict(spec=tiny, optimizer_class=cls, kwargs={**kw, "foreach": False},
+                  bucket_numel=50, steps=5) for cls, kw in (
+                      (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+                      (torch.optim.Adam, {"lr": 1e-2}))]
+    ranks = launch.run(zero2.trajectories, 2, cases)
+    parity = []
+    for i, case in enumerate(cases):
+        ref = [{k: v for k, v in s.items() if "/" not in k} for s in trajectory(
+            tiny, case["optimizer_class"], case["kwargs"], "forloop", steps=5)]
+        for rank, got in enumerate(ranks):
+            parity.append((f"{case['optimizer_class'].__name__}, gloo rank {rank} of 2",
+                           compare(got[i]["snapshots"], ref, ZERO2_TOLERANCE)))
+    memory = {}
+    for n in report.ZERO2_RANKS:
+        _progress(f"ZeRO-2: {spec.name} rank 0 of {n}, backend {backend} ...")
+        memory[n] = measure(spec, "zero2", backend=backend, world_size=n,
+                            optimizer_kwargs={"lr": 1e-3, "bucket_numel": report.ZERO2_BUCKET})
+    by = {r.strategy: r for r in results}
+    return report.zero2_section(parity, memory, by["foreach"], by["in_backward"])
+
+
+# ZeRO-2 against single-process training: a different order of fp32 additions in the
+# reduction; DeepSpeed's own tests use these bounds (see tests/test_zero2.py).
+ZERO2_TOLERANCE = Tolerance(rtol=1e-5, atol=1e-6)
+
+
+def _zero2_demo(rank: int, world: int, spec: ZooSpec, steps: int,
+                bucket_numel: int) -> dict:
+    """One rank of the demo: train, measure this rank's step, check against the reference.
+
+    Parity is checked with SGD + momentum: Adam's first update is lr * sign(g) for every
+    element, so where a transformer's gradient is at rounding level (attention keys at init)
+    any other summation order flips whole steps; the sharding is what is being checked.
+    Memory is measured with Adam, whose state the ZeRO formula counts."""
+    sgd = {"lr": 1e-2, "momentum": 0.9, "foreach": False}
+    got = zero2.trajectory(rank, world, spec, torch.optim.SGD, sgd, bucket_numel, steps)
+    memory = zero2.rank_memory(rank, world, spec, {"lr": 1e-3, "foreach": False,
+                                                   "bucket_numel": bucket_numel})
+    ref = [{k: v for k, v in s.items() if "/" not in k}
+           for s in trajectory(spec, torch.optim.SGD, sgd, "forloop", steps=steps)]
+    return {"rank": rank, "peak": memory["peak"], "breakdown": memory["breakdown"],
+            "parity": compare(got["snapshots"], ref, ZERO2_TOLERANCE)}
+
+
+def _zero2(args: argparse.Namespace) -> int:
+    import os
+
+    import torch.distributed as dist
+
+    spec = ZooSpec(args.model, batch_size=2 * args.nproc)
+    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if under_torchrun:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        try:
+            world = dist.get_world_size()
+            spec = ZooSpec(args.model, batch_size=2 * world)
+            mine = _zero2_demo(dist.get_rank(), world, spec, args.steps, args.bucket_numel)
+            ranks = [None] * world
+            dist.all_gather_object(ranks, mine)
+            if dist.get_rank() != 0:
+                return 0 if all(r["parity"].ok for r in ranks) else 1
+        finally:
+            dist.destroy_process_group()
+    else:
+        _progress(f"spawning {args.nproc} gloo ranks (run under torchrun to use its ranks) ...")
+        world = args.nproc
+        ranks = launch.run(_zero2_demo, world, spec, args.steps, args.bucket_numel, timeout=600)
+    print(f"ZeRO-2, {spec.name}, {world} ranks, global batch {spec.batch_size}, "
+          f"{args.steps} steps, bucket {args.bucket_numel} elements; memory of an Adam step:")
+    for r in ranks:
+        b = r["breakdown"]
+        print(f"  rank {r['rank']}: peak {r['peak'] / 1e6:8.2f} MB  (parameters "
+              f"{b['parameters'] / 1e6:.2f}, gradient shard {b['gradients'] / 1e6:.2f}, "
+              f"optimizer state {b['optimizer_state'] / 1e6:.2f}, activations "
+              f"{b['activations'] / 1e6:.2f}, temporaries {b['temporaries'] / 1e6:.2f})")
+    for r in ranks:
+        print(f"  rank {r['rank']} parameters vs single-process training (SGD, momentum 0.9): "
+              f"{r['parity'].verdict()}")
+    ok = all(r["parity"].ok for r in ranks)
+    print("parity: " + ("PASS" if ok else "FAIL"))
+    return 0 if ok else 1
 
 
 def _capture(args: argparse.Namespace) -> int:
@@ -135,9 +225,19 @@ def main(argv: list[str] | None = None) -> int:
                        help="largest allowed growth of mean |x| across the widths")
     coord.add_argument("--out", default="hookbench-out")
     coord.set_defaults(run=_coord_check)
+
+    z2 = commands.add_parser(
+        "zero2", help="ZeRO-2 demo training: per-rank peak memory and parity verdict "
+                      "(under torchrun, or spawning --nproc gloo ranks)")
+    z2.add_argument("--nproc", type=int, default=2, help="ranks to spawn without torchrun")
+    z2.add_argument("--model", choices=sorted(ZOO), default="transformer")
+    z2.add_argument("--steps", type=int, default=3)
+    z2.add_argument("--bucket-numel", type=int, default=2**20)
+    z2.set_defaults(run=_zero2)
     args = parser.parse_args(argv)
-    if getattr(args, "batch_size", 1) < 1:
-        parser.error("--batch-size must be >= 1")
+    for option in ("batch_size", "nproc", "steps", "seeds"):
+        if getattr(args, option, 1) < 1:
+            parser.error(f"--{option.replace('_', '-')} must be >= 1")
     try:
         return args.run(args)
     except (RuntimeError, ValueError) as e:  # a measurement that cannot run here, say why

@@ -1,9 +1,11 @@
-"""Injected PyTorch faults: how hookbench proves that its checks can fail.
+"""Injected faults: how hookbench proves that its checks can fail.
 
-Each fault is a context manager that makes PyTorch misbehave the way a regression would, by
-swapping ``torch.Tensor.register_post_accumulate_grad_hook`` for a broken one and restoring it in
-``finally``. The fault tests (and ``pytest --hookbench-fault NAME``) run the suite's own checks
-under each fault and require that they fail.
+Each fault makes PyTorch misbehave the way a regression would, by swapping one function for a
+broken version while ``inject(name)`` is active and restoring it in ``finally``: hook faults
+replace ``torch.Tensor.register_post_accumulate_grad_hook``; collective faults replace the
+reduction ZeRO-2 sends gradients through (``hookbench.zero2.reduce_to_owner``). The fault tests
+(and ``pytest --hookbench-fault NAME``) run the suite's own checks under each fault and require
+that they fail.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["FAULTS", "inject"]
+__all__ = ["FAULTS", "HOOK_FAULTS", "inject"]
 
 _Register = Callable[[torch.Tensor, Callable[[torch.Tensor], None]], object]
 
@@ -65,22 +67,59 @@ def _keeps_gradients_alive(original: _Register) -> _Register:
     return register
 
 
-FAULTS: dict[str, Callable[[_Register], _Register]] = {
-    "fires_twice": _fires_twice,
-    "stops_after_first_backward": _stops_after_first_backward,
-    "fires_before_accumulation": _fires_before_accumulation,
-    "keeps_gradients_alive": _keeps_gradients_alive,
+def _wrong_slice(original: Callable) -> Callable:
+    # The owner receives its reduced piece shifted by one element: another slice's data.
+    def reduce(chunk, owner, group):
+        original(chunk, owner, group)
+        chunk.copy_(chunk.roll(1))
+
+    return reduce
+
+
+def _low_precision(original: Callable) -> Callable:
+    # The reduction silently goes through bfloat16 (8 bits of mantissa).
+    def reduce(chunk, owner, group):
+        original(chunk, owner, group)
+        chunk.copy_(chunk.to(torch.bfloat16).to(chunk.dtype))
+
+    return reduce
+
+
+def _hook_registration() -> tuple[object, str]:
+    return torch.Tensor, "register_post_accumulate_grad_hook"
+
+
+def _zero2_reduction() -> tuple[object, str]:
+    from hookbench import zero2
+
+    return zero2, "reduce_to_owner"
+
+
+# name -> (where the broken function goes, how to break the original)
+FAULTS: dict[str, tuple[Callable[[], tuple[object, str]], Callable[[Callable], Callable]]] = {
+    "fires_twice": (_hook_registration, _fires_twice),
+    "stops_after_first_backward": (_hook_registration, _stops_after_first_backward),
+    "fires_before_accumulation": (_hook_registration, _fires_before_accumulation),
+    "keeps_gradients_alive": (_hook_registration, _keeps_gradients_alive),
+    "collective_wrong_slice": (_zero2_reduction, _wrong_slice),
+    "collective_low_precision": (_zero2_reduction, _low_precision),
 }
+HOOK_FAULTS = [name for name, (where, _) in FAULTS.items() if where is _hook_registration]
 
 
 @contextlib.contextmanager
-def inject(name: str) -> Iterator[None]:
-    """Run the block with fault ``name`` injected into PyTorch's hook registration."""
+def inject(name: str | None) -> Iterator[None]:
+    """Run the block with fault ``name`` injected (None: no fault)."""
+    if name is None:
+        yield
+        return
     if name not in FAULTS:
         raise ValueError(f"unknown fault {name!r}; choose from {sorted(FAULTS)}")
-    original = torch.Tensor.register_post_accumulate_grad_hook
-    torch.Tensor.register_post_accumulate_grad_hook = FAULTS[name](original)
+    where, breaks = FAULTS[name]
+    owner, attribute = where()
+    original = getattr(owner, attribute)
+    setattr(owner, attribute, breaks(original))
     try:
         yield
     finally:
-        torch.Tensor.register_post_accumulate_grad_hook = original
+        setattr(owner, attribute, original)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -194,10 +195,14 @@ def measure(
     warmup: int = 1,
     snapshot_path: str | os.PathLike | None = None,
     round_to: int = 512,
+    world_size: int = 1,
 ) -> MemoryResult:
     """Measure one training step of ``spec`` (a ``ZooSpec`` or ``TinySpec``) after ``warmup``.
 
-    ``strategy`` is one of ``hookbench.parity.STRATEGIES`` except ``peer``.
+    ``strategy`` is one of ``hookbench.parity.STRATEGIES`` except ``peer``. For ``zero2``
+    the step runs in the current process group, or, where none is initialized, as rank 0 of
+    ``world_size`` ranks in a fake process group whose collectives move no data: one process
+    simulates any number of ranks (with the fake backend, any model size).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {BACKENDS}")
@@ -210,6 +215,11 @@ def measure(
         raise RuntimeError("the cuda backend needs CUDA, and torch.cuda.is_available() is "
                            "False; use backend='fake' for a device-independent measurement")
     with contextlib.ExitStack() as stack:
+        if strategy == "zero2" and not dist.is_initialized():
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+            stack.callback(dist.destroy_process_group)
         if backend == "fake":
             from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -230,17 +240,19 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
     tracker = StorageTracker(round_to)
     params = [p for p in model.parameters()]
     trainable = [p for p in params if p.requires_grad]
-    step_optimizer, state_of, close = parity.start(strategy, model, cls, kwargs, 1)
-    stack.callback(close)
+    started = parity.start(strategy, model, cls, kwargs, 1)
+    stack.callback(started.close)
+    step_optimizer = started.step
+    with_grads = list({id(t): t for t in (*trainable, *started.optimized)}.values())
 
     def state_tensors() -> Iterator[torch.Tensor]:
-        for p in params:
-            for v in state_of(p).values():
+        for p in started.optimized:
+            for v in started.state_of(p).values():
                 if torch.is_tensor(v):
                     yield v
 
     def refresh_gradients() -> None:
-        for p in trainable:
+        for p in with_grads:
             if p.grad is not None:
                 tracker.track(p.grad, "gradients")
 

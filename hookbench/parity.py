@@ -12,6 +12,7 @@ Strategies:
     in_backward_grouped          OptimizerInBackward(grouped=True), for-loop
     in_backward_grouped_foreach  the grouped mode with the foreach kernels inside each module
     peer                         torch.distributed.optim._apply_optimizer_in_backward (k=1 only)
+    zero2                        hookbench.zero2.Zero2 (needs an initialized process group)
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import contextlib
 import functools
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
 from hookbench.optimizer_in_backward import OptimizerInBackward
+from hookbench.zero2 import Zero2
 from hookbench.zoo import TinySpec
 
 __all__ = [
@@ -59,6 +61,7 @@ STRATEGIES = (
     "in_backward_grouped",
     "in_backward_grouped_foreach",
     "peer",
+    "zero2",
 )
 
 
@@ -108,11 +111,11 @@ def training(
     if strategy == "peer" and accumulation != 1:
         raise ValueError("the peer _apply_optimizer_in_backward has no gradient accumulation")
     model = spec.build()
-    step, state_of, close = start(strategy, model, optimizer_class, kwargs, accumulation)
+    started = start(strategy, model, optimizer_class, kwargs, accumulation)
     try:
-        yield Training(spec, model, accumulation, step, state_of)
+        yield Training(spec, model, accumulation, started.step, started.state_of)
     finally:
-        close()
+        started.close()
 
 
 @dataclass
@@ -160,11 +163,18 @@ def trajectory(
         return snapshots
 
 
-def start(
-    strategy: str, model: torch.nn.Module, cls: type, kwargs: dict, accumulation: int
-) -> tuple[Callable[[], None], Callable[[torch.Tensor], dict], Callable[[], None]]:
-    """(step after the micro-batches, state of a parameter, cleanup) for one strategy."""
+class Started(NamedTuple):
+    step: Callable[[], None]  # after the micro-batches of one optimizer step
+    state_of: Callable[[torch.Tensor], dict]  # the optimizer state of a tensor in `optimized`
+    close: Callable[[], None]  # remove hooks
+    optimized: list[torch.Tensor]  # the tensors the optimizer steps (ZeRO-2: the shard)
+
+
+def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
+          accumulation: int) -> Started:
+    """Set ``model`` up to train with ``strategy``."""
     nothing = lambda: None  # noqa: E731
+    params = [p for p in model.parameters()]
     if strategy in ("forloop", "foreach", "fused"):
         impl = {"forloop": {"foreach": False}, "foreach": {"foreach": True},
                 "fused": {"fused": True}}[strategy]
@@ -174,22 +184,31 @@ def start(
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-        return step, lambda p: opt.state.get(p, {}), nothing
+        return Started(step, lambda p: opt.state.get(p, {}), nothing, params)
     if strategy.startswith("in_backward"):
         opt = OptimizerInBackward(
             model, cls, accumulation_steps=accumulation,
             grouped=strategy != "in_backward",
             **{**kwargs, "foreach": strategy.endswith("foreach")},
         )
-        return nothing, lambda p: opt.state.get(p, {}), opt.remove
+        return Started(nothing, lambda p: opt.state.get(p, {}), opt.remove, params)
+    if strategy == "zero2":  # kwargs may carry bucket_numel
+        zero = Zero2(model, cls, **{"foreach": False, **kwargs})
+
+        def zero_step() -> None:
+            zero.step()
+            zero.zero_grad()
+
+        return Started(zero_step, lambda p: zero.optimizer.state.get(p, {}), zero.remove,
+                       [zero.flat.shard])
     # The peer keeps its optimizers and hook handles in module-level maps and attributes.
     from torch.distributed.optim import apply_optimizer_in_backward as peer
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    peer._apply_optimizer_in_backward(cls, params, {**kwargs, "foreach": False})
+    trainable = [p for p in params if p.requires_grad]
+    peer._apply_optimizer_in_backward(cls, trainable, {**kwargs, "foreach": False})
 
     def close() -> None:
-        for p in params:
+        for p in trainable:
             for handle in peer.param_to_optim_hook_handle_map.pop(p, []):
                 handle.remove()
             peer.param_to_acc_grad_map.pop(p, None)
@@ -198,7 +217,7 @@ def start(
         inner = getattr(p, "_in_backward_optimizers", None)  # frozen parameters have none
         return inner[0].state.get(p, {}) if inner else {}
 
-    return nothing, state_of, close
+    return Started(nothing, state_of, close, params)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,14 @@ import torch
 
 from hookbench import hook_contract
 from hookbench.memory import CATEGORIES, MemoryResult
-from hookbench.parity import FAMILIES, compare, live_gradients, tolerance, trajectory
+from hookbench.parity import (
+    FAMILIES,
+    Comparison,
+    compare,
+    live_gradients,
+    tolerance,
+    trajectory,
+)
 from hookbench.zoo import TinySpec
 
 __all__ = [
@@ -24,6 +31,7 @@ __all__ = [
     "memory_section",
     "optimizer_in_backward_section",
     "render",
+    "zero2_section",
 ]
 
 
@@ -123,6 +131,29 @@ def memory_section(results: list[MemoryResult]) -> Section:
             f"{r.peak / standard.peak - 1:+.1%}",
             f"{r.gradients_alive_max / 1e9:.3f} of {r.all_gradients / 1e9:.3f}",
         )
+    return section
+
+
+ZERO2_RANKS = (2, 8, 64)
+ZERO2_BUCKET = 2**22  # gradient elements per bucket
+
+
+def zero2_section(parity_results: list[tuple[str, Comparison]], memory: dict[int, MemoryResult],
+                  standard: MemoryResult, fused: MemoryResult) -> Section:
+    """The parity verdicts (gloo ranks against single-process training), and rank 0's peak for
+    N ranks against the ZeRO formula, beside the single-device strategies."""
+    section = Section("ZeRO-2 (sharded gradient release): parity on gloo, and memory per rank "
+                      "(GB) against 4 Psi + 12 Psi / N", ("check", "verdict"))
+    for label, result in parity_results:
+        section.add(result.ok, label, result.verdict())
+    for n, r in memory.items():
+        formula = r.parameters * (1 + 3 / n)
+        ok = r.peak < standard.peak and r.gradients_alive_max < r.all_gradients
+        section.add(ok, f"{r.model} rank 0 of {n}",
+                    f"peak {r.peak / 1e9:.3f}; formula {formula / 1e9:.3f} + activations "
+                    f"{r.activations_peak / 1e9:.3f} + bucket {4 * ZERO2_BUCKET / 1e9:.3f}; "
+                    f"one device: foreach {standard.peak / 1e9:.3f}, "
+                    f"in backward {fused.peak / 1e9:.3f}")
     return section
 
 

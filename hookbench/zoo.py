@@ -111,15 +111,19 @@ def _convnet(spec: TinySpec) -> nn.Sequential:
 
 
 class TinyTransformer(nn.Module):
-    """A small decoder-style language model: embedding, pre-norm encoder layers, tied head."""
+    """A small decoder-style language model: embedding, pre-norm causal layers without biases,
+    and a head tied to the embedding."""
 
     def __init__(self, vocab: int = 1000, dim: int = 256, layers: int = 4, heads: int = 4,
                  seq_len: int = 128) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.zeros(seq_len, dim))
+        # No biases, as in current LLMs; also, the key projection's bias has an exactly zero
+        # gradient (softmax ignores a shift shared by all keys), which Adam would turn from
+        # rounding noise into full-size steps, so no two summation orders could agree.
         layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True,
-                                           norm_first=True)
+                                           norm_first=True, bias=False)
         self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)

@@ -86,3 +86,13 @@ def test_coord_check_verdict_and_plot(capsys, tmp_path, parametrization, code):
     out = capsys.readouterr().out
     assert ("PASS" if code == 0 else "FAIL") in out
     assert (tmp_path / f"coord-check-mlp-{parametrization}.png").exists()
+
+
+@pytest.mark.distributed
+def test_zero2_demo_prints_per_rank_memory_and_parity(capsys):
+    assert main(["zero2", "--nproc", "2", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-2, transformer, 2 ranks" in out
+    peaks = [line for line in out.splitlines() if line.startswith("  rank ") and "peak" in line]
+    assert len(peaks) == 2 and "gradient shard" in peaks[0]
+    assert out.rstrip().endswith("parity: PASS")

@@ -1,0 +1,369 @@
+"""Sharded gradient release: ZeRO stage 2 as DeepSpeed does it, small enough to read at once.
+
+With N data-parallel ranks:
+
+* each param group is flattened into one buffer (the model's parameters become views into it),
+  padded to a multiple of N and cut into N contiguous pieces; rank r owns piece r, so a
+  parameter may straddle two ranks. The optimizer (any ``torch.optim`` class) is built on the
+  owned piece alone, so it holds state for 1/N of the model;
+* during backward a post-accumulate-grad hook per parameter moves its gradient into a bucket
+  and frees ``param.grad`` at once. A full bucket is reduced to the owners of its pieces (one
+  ``dist.reduce`` per owning rank, so a bucket costs its own size and not N times it) and
+  averaged; each rank adds only its own piece into its shard's gradient. The last, partial
+  bucket is flushed at the end of backward: a callback queued on the autograd engine
+  (``Variable._execution_engine.queue_callback``, as DeepSpeed does) runs once every hook of
+  the graph task has fired, which counting hooks cannot know when some parameter gets no
+  gradient;
+* ``step()`` updates the owned piece, then ``all_gather_into_tensor`` rebuilds the full flat
+  buffer on every rank. Micro-batches accumulate into the shard's gradient; call ``step()``
+  after the last of them, as with a standard optimizer.
+
+Per rank, fp32 Adam: parameters 4 Psi + gradient shard 4 Psi/N + Adam state 8 Psi/N, plus
+activations and one bucket: the ZeRO paper's 4 Psi + 12 Psi / N.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["Zero2", "reduce_to_owner"]
+
+
+def reduce_to_owner(chunk: torch.Tensor, owner: int, group: Any) -> None:
+    """Sum ``chunk`` over the ranks into ``owner``'s copy (other ranks' copies are undefined).
+
+    Module-level so that fault injection can replace the collective.
+    """
+    dist.reduce(chunk, group=group, group_dst=owner)
+
+
+# all_gather_single is the new name of all_gather_into_tensor (deprecated in torch 2.14)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(eq=False)
+class _Flat:
+    """One param group, flattened."""
+
+    params: list[nn.Parameter]
+    offsets: list[int]  # of each parameter in the flat buffer
+    buffer: torch.Tensor  # padded to world_size * shard_numel
+    shard: nn.Parameter  # this rank's piece: a view into buffer, what the optimizer steps
+    shard_numel: int
+
+    def pieces(self, i: int, world: int) -> list[tuple[int, int, int, int]]:
+        """(owner, start, end within param i, offset within the owner's shard)."""
+        lo, n = self.offsets[i], self.params[i].numel()
+        out = []
+        for owner in range(lo // self.shard_numel, world):
+            a, b = owner * self.shard_numel, (owner + 1) * self.shard_numel
+            if a >= lo + n:
+                break
+            start, end = max(lo, a), min(lo + n, b)
+            out.append((owner, start - lo, end - lo, start - a))
+        return out
+
+
+@dataclass(eq=False)
+class _Bucket:
+    grads: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # group, index, g
+    numel: int = 0
+
+
+class Zero2:
+    """ZeRO-2 over ``process_group`` (default: the world); see the module docstring.
+
+    Args:
+        model: its trainable parameters are sharded; every rank must pass the same model.
+        optimizer_class, **defaults: the optimizer run on each rank's piece.
+        bucket_numel: gradient elements per bucket before it is reduced (DeepSpeed's
+            reduce_bucket_size); 1 flushes each parameter on its own.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        process_group: Any = None,
+        bucket_numel: int = 2**22,
+        **defaults: Any,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not (isinstance(optimizer_class, type)
+                and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got "
+                            f"{optimizer_class!r}")
+        if not dist.is_initialized():
+            raise ValueError("torch.distributed is not initialized: call "
+                             "dist.init_process_group first (torchrun sets the environment)")
+        if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+            raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("no parameter requires grad: there is nothing to optimize")
+        dtypes = {p.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ValueError(f"parameters of several dtypes {sorted(map(str, dtypes))}: one "
+                             f"flat buffer needs one dtype")
+        optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)  # validates options
+        self.group = process_group
+        self.world = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.bucket_numel = bucket_numel
+        self.names = {p: n for n, p in model.named_parameters()}
+        self.flat = _flatten(params, self.world, self.rank)
+        self.optimizer = optimizer_class([self.flat.shard], **defaults)
+        self.hook_calls: Counter[str] = Counter()  # per parameter name, in the last backward
+        self._bucket = _Bucket()
+        self._graph_task = -1
+        self._handles: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i))
+            for i, p in enumerate(self.flat.params)
+        ]
+
+    # -- backward --------------------------------------------------------------------------------
+
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_ready(index, param)
+
+        return hook
+
+    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._graph_task:  # the first hook of a new backward
+            self._graph_task = task
+            self.hook_calls.clear()
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+        name = self.names[param]
+        self.hook_calls[name] += 1
+        if self.hook_calls[name] > 1:
+            raise RuntimeError(f"post-accumulate-grad hook fired twice for parameter '{name}' "
+                               f"in one backward pass")
+        grad = param.grad.detach().reshape(-1)
+        param.grad = None  # released at once: from here on only the bucket holds it
+        if self._bucket.numel and self._bucket.numel + grad.numel() > self.bucket_numel:
+            self._flush()
+        self._bucket.grads.append((0, index, grad))
+        self._bucket.numel += grad.numel()
+        if self._bucket.numel >= self.bucket_numel:
+            self._flush()
+
+    @torch.no_grad()
+    def _flush(self) -> None:
+        """Reduce the bucket to the owners of its pieces; keep and average our own piece."""
+        bucket, self._bucket = self._bucket, _Bucket()
+        if not bucket.grads:
+            return
+        # Every rank filled its bucket in the same order (the same graph), so every rank builds
+        # the same per-owner layout and the reductions line up.
+        layout: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        for _, index, grad in bucket.grads:
+            for owner, start, end, offset in self.flat.pieces(index, self.world):
+                layout.setdefault(owner, []).append((grad[start:end], offset))
+        shard = self.flat.shard
+        if shard.grad is None:
+            shard.grad = torch.zeros_like(shard)
+        for owner in sorted(layout):
+            chunk = torch.cat([piece for piece, _ in layout[owner]])
+            reduce_to_owner(chunk, owner, self.group)  # a global: faults can replace it
+            if owner == self.rank:
+                chunk /= self.world
+                position = 0
+                for piece, offset in layout[owner]:
+                    shard.grad[offset:offset + piece.numel()] += chunk[position:position
+                                                                      + piece.numel()]
+                    position += piece.numel()
+
+    # -- step ------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Step the owned piece, then all-gather so every rank holds the full parameters."""
+        if self._bucket.grads:
+            raise RuntimeError("step() with gradients still in the bucket: backward did not end")
+        self.optimizer.step()
+        flat = self.flat
+        _all_gather(flat.buffer, flat.shard.detach().clone(), group=self.group)
+
+    def zero_grad(self) -> None:
+        self.flat.shard.grad = None
+        for p in self.flat.params:
+            p.grad = None
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard: its optimizer state and where the shard lies."""
+        return {"optimizer": self.optimizer.state_dict(), "rank": self.rank,
+                "world_size": self.world, "shard_numel": self.flat.shard_numel}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if (state_dict.get("world_size"), state_dict.get("shard_numel")) != (
+                self.world, self.flat.shard_numel) or state_dict.get("rank") != self.rank:
+            raise ValueError(
+                f"sharded state of rank {state_dict.get('rank')} of "
+                f"{state_dict.get('world_size')} (shard {state_dict.get('shard_numel')} "
+                f"elements) does not fit rank {self.rank} of {self.world} (shard "
+                f"{self.flat.shard_numel}); gather it with full_state_dict() and load that")
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, Any]:
+        """The state gathered from every rank, as ``optimizer_class(model.named_parameters())``
+        would save it (a collective: every rank must call it)."""
+        flat, shard_state = self.flat, self.optimizer.state.get(self.flat.shard, {})
+        state: dict[int, dict[str, Any]] = {i: {} for i in range(len(flat.params))}
+        for key, value in sorted(shard_state.items()):
+            if torch.is_tensor(value) and value.shape == flat.shard.shape:
+                full = torch.empty_like(flat.buffer)
+                _all_gather(full, value.contiguous(), group=self.group)
+                for i, p in enumerate(flat.params):
+                    o = flat.offsets[i]
+                    state[i][key] = full[o:o + p.numel()].view_as(p).clone()
+            else:  # per-shard scalars (Adam's step) are equal on every rank
+                for i in state:
+                    state[i][key] = value.clone() if torch.is_tensor(value) else value
+        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        return {"state": {i: s for i, s in state.items() if s},
+                "param_groups": [{**group, "params": list(range(len(flat.params))),
+                                  "param_names": [self.names[p] for p in flat.params]}]}
+
+    # -- lifetime --------------------------------------------------------------------------------
+
+    def remove(self) -> None:
+        """Remove the hooks; parameters get storage of their own again. Idempotent."""
+        for handle in self._handles:
+            handle.remove()
+        if self._handles:
+            for p in self.flat.params:
+                p.data = p.data.clone()
+        self._handles.clear()
+
+    def __enter__(self) -> Zero2:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+@torch.no_grad()
+def _flatten(params: list[nn.Parameter], world: int, rank: int) -> _Flat:
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += p.numel()
+    shard_numel = -(-total // world)
+    buffer = torch.zeros(shard_numel * world, dtype=params[0].dtype, device=params[0].device)
+    for p, o in zip(params, offsets):
+        buffer[o:o + p.numel()].copy_(p.reshape(-1))
+        p.data = buffer[o:o + p.numel()].view_as(p)  # the parameter now lives in the buffer
+    shard = nn.Parameter(buffer[rank * shard_numel:(rank + 1) * shard_numel])
+    return _Flat(params, offsets, buffer, shard, shard_numel)
+
+
+def trajectories(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Run ``trajectory`` for each case (its keyword arguments) on this rank: one process start
+    serves many configurations."""
+    return [trajectory(rank, world, **case) for case in cases]
+
+
+def _local(spec: Any, index: int, rank: int, world: int, device: str):
+    """This rank's share of global batch ``index``."""
+    x, y = spec.batch(index)
+    if len(x) % world:
+        raise ValueError(f"batch of {len(x)} does not split over {world} ranks")
+    b = len(x) // world
+    return x[rank * b:(rank + 1) * b].to(device), y[rank * b:(rank + 1) * b].to(device)
+
+
+def _device(rank: int) -> str:
+    if dist.get_backend() == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
+               bucket_numel: int, steps: int = 5, accumulation: int = 1,
+               fault: str | None = None) -> dict[str, Any]:
+    """Train ``spec`` with ZeRO-2 on this rank's share of each global batch (run it on every
+    rank, e.g. through ``hookbench.launch.run``). Returns the full parameters after every
+    step, and what each backward left behind: gradients on the model's parameters, the shard's
+    gradient size, and the hook calls per parameter. ``fault`` names a ``hookbench.faults``
+    fault to inject; an error it causes is returned, not raised, so every rank finishes."""
+    from hookbench.faults import inject
+
+    device = _device(rank)
+    model = spec.build().to(device)
+    snapshots: list[dict[str, torch.Tensor]] = []
+    after_backward: list[dict[str, Any]] = []
+    result = {"snapshots": snapshots, "after_backward": after_backward, "error": None}
+    with inject(fault), Zero2(model, optimizer_class, bucket_numel=bucket_numel,
+                              **kwargs) as zero:
+        result.update(shard_numel=zero.flat.shard_numel, trainable=len(zero.flat.params))
+        try:
+            for i in range(steps):
+                for micro in range(accumulation):
+                    x, y = _local(spec, i * accumulation + micro, rank, world, device)
+                    (spec.loss(model(x), y) / accumulation).backward()
+                    after_backward.append({
+                        "param_grads": [n for n, p in model.named_parameters()
+                                        if p.grad is not None],
+                        "shard_grad_numel": zero.flat.shard.grad.numel(),
+                        "hook_calls": dict(zero.hook_calls),
+                    })
+                zero.step()
+                zero.zero_grad()
+                snapshots.append({n: p.detach().cpu().clone()
+                                  for n, p in model.named_parameters()})
+            result["full_state"] = zero.full_state_dict()
+        except RuntimeError as e:
+            if fault is None:
+                raise
+            result["error"] = str(e)
+    return result
+
+
+def fsdp2_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
+                     steps: int = 5) -> dict[str, torch.Tensor]:
+    """The peer: the same training with FSDP2 ``fully_shard(reshard_after_forward=False)``,
+    torch's own ZeRO-2 analogue, on the same group; the full parameters at the end."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = _device(rank)
+    mesh = init_device_mesh(torch.device(device).type, (world,))
+    model = spec.build().to(device)
+    for layer in model.children():
+        if any(p.requires_grad for p in layer.parameters()):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    opt = optimizer_class(model.parameters(), **kwargs)
+    for i in range(steps):
+        x, y = _local(spec, i, rank, world, device)
+        spec.loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.full_tensor().detach().cpu().clone() for n, p in model.named_parameters()}
+
+
+def rank_memory(rank: int, world: int, spec: Any, kwargs: dict) -> dict[str, Any]:
+    """This rank's measured memory for one ZeRO-2 step (the tracker on real tensors)."""
+    from hookbench.memory import measure
+
+    backend = "cuda" if dist.get_backend() == "nccl" else "eager"
+    if backend == "cuda":
+        _device(rank)
+    result = measure(spec, "zero2", backend=backend, optimizer_kwargs=kwargs)
+    return {"peak": result.peak, "breakdown": result.peak_breakdown,
+            "timeline": result.timeline}
