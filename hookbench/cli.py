@@ -30,32 +30,47 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+SECTIONS = ("contract", "optimizer", "memory", "zero2")
+
+
 def _report(args: argparse.Namespace) -> int:
     backend = args.device
     if backend == "auto":
         backend = "cuda" if torch.cuda.is_available() else "fake"
+    chosen = args.sections.split(",")
+    unknown = set(chosen) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown report sections {sorted(unknown)}; choose from {SECTIONS}")
     spec = ZooSpec(args.model, batch_size=args.batch_size)
     out = Path(args.out)
-    sections = [report.contract_section(), report.optimizer_in_backward_section()]
-    results = []
-    for strategy in report.MEMORY_STRATEGIES:
-        started = time.perf_counter()
-        _progress(f"measuring {spec.name} batch {spec.batch_size}, {strategy}, "
-                  f"backend {backend} ...")
-        snapshot = out / f"snapshot-{spec.name}-{strategy}.pickle" if backend == "cuda" else None
-        results.append(measure(spec, strategy, backend=backend, snapshot_path=snapshot))
-        _progress(f"  peak {results[-1].peak / 1e9:.3f} GB ({time.perf_counter() - started:.1f} s)")
-    sections.append(report.memory_section(results))
-    sections.append(_zero2_section(spec, backend, results))
-    png = plot.memory_timeline(results, out / "memory.png")
+    out.mkdir(parents=True, exist_ok=True)
+    sections, results, written = [], [], [out / "report.json"]
+    if "contract" in chosen:
+        sections.append(report.contract_section())
+    if "optimizer" in chosen:
+        sections.append(report.optimizer_in_backward_section())
+    if "memory" in chosen:
+        for strategy in report.MEMORY_STRATEGIES:
+            started = time.perf_counter()
+            _progress(f"measuring {spec.name} batch {spec.batch_size}, {strategy}, "
+                      f"backend {backend} ...")
+            snapshot = (out / f"snapshot-{spec.name}-{strategy}.pickle"
+                        if backend == "cuda" else None)
+            results.append(measure(spec, strategy, backend=backend, snapshot_path=snapshot))
+            _progress(f"  peak {results[-1].peak / 1e9:.3f} GB "
+                      f"({time.perf_counter() - started:.1f} s)")
+        sections.append(report.memory_section(results))
+        written.insert(0, plot.memory_timeline(results, out / "memory.png"))
+    if "zero2" in chosen:
+        sections.append(_zero2_section(spec, backend, results))
     data = {"torch": torch.__version__, "backend": backend, "model": spec.name,
             "batch_size": spec.batch_size, "memory": [r.to_dict() for r in results],
             "checks": [{"section": s.title, "row": list(cells), "ok": ok}
                        for s in sections for cells, ok in s.rows]}
     (out / "report.json").write_text(json.dumps(data, indent=1, default=str))
     print(report.render(sections))
-    print(f"\nwrote {png} and {out / 'report.json'}"
-          + (f" and memory snapshots in {out}" if backend == "cuda" else ""))
+    print(f"\nwrote {' and '.join(map(str, written))}"
+          + (f" and memory snapshots in {out}" if backend == "cuda" and results else ""))
     return 0 if all(s.ok for s in sections) else 1
 
 
@@ -80,7 +95,7 @@ def _zero2_section(spec: ZooSpec, backend: str, results: list) -> report.Section
         memory[n] = measure(spec, "zero2", backend=backend, world_size=n,
                             optimizer_kwargs={"lr": 1e-3, "bucket_numel": report.ZERO2_BUCKET})
     by = {r.strategy: r for r in results}
-    return report.zero2_section(parity, memory, by["foreach"], by["in_backward"])
+    return report.zero2_section(parity, memory, by.get("foreach"), by.get("in_backward"))
 
 
 # ZeRO-2 against single-process training: a different order of fp32 additions in the
@@ -202,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--model", choices=sorted(ZOO), default="vit_l_16")
     rep.add_argument("--batch-size", type=int, default=1)
     rep.add_argument("--out", default="hookbench-out", help="folder for the PNG, JSON, snapshots")
+    rep.add_argument("--sections", default=",".join(SECTIONS),
+                     help=f"comma-separated, from {','.join(SECTIONS)} (default: all)")
     rep.set_defaults(run=_report)
 
     cap = commands.add_parser("capture", help="capture a zoo model's activations, print a table")

@@ -200,7 +200,7 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
             zero.zero_grad()
 
         return Started(zero_step, lambda p: zero.optimizer.state.get(p, {}), zero.remove,
-                       [zero.flat.shard])
+                       [f.shard for f in zero.flats])
     # The peer keeps its optimizers and hook handles in module-level maps and attributes.
     from torch.distributed.optim import apply_optimizer_in_backward as peer
 

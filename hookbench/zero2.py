@@ -82,7 +82,9 @@ class Zero2:
 
     Args:
         model: its trainable parameters are sharded; every rank must pass the same model.
-        optimizer_class, **defaults: the optimizer run on each rank's piece.
+        optimizer_class, **defaults: the optimizer run on each rank's pieces.
+        params: ``None`` for every trainable parameter, or param groups (dicts with ``"params"``
+            and per-group options, as for any optimizer); each group is one flat buffer.
         bucket_numel: gradient elements per bucket before it is reduced (DeepSpeed's
             reduce_bucket_size); 1 flushes each parameter on its own.
     """
@@ -91,6 +93,7 @@ class Zero2:
         self,
         model: nn.Module,
         optimizer_class: type[torch.optim.Optimizer],
+        params: list[dict[str, Any]] | None = None,
         *,
         process_group: Any = None,
         bucket_numel: int = 2**22,
@@ -107,38 +110,33 @@ class Zero2:
                              "dist.init_process_group first (torchrun sets the environment)")
         if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
             raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("no parameter requires grad: there is nothing to optimize")
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) > 1:
-            raise ValueError(f"parameters of several dtypes {sorted(map(str, dtypes))}: one "
-                             f"flat buffer needs one dtype")
+        self.names = {p: n for n, p in model.named_parameters()}
+        groups = _groups(params, self.names)
         optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)  # validates options
         self.group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.bucket_numel = bucket_numel
-        self.names = {p: n for n, p in model.named_parameters()}
-        self.flat = _flatten(params, self.world, self.rank)
-        self.optimizer = optimizer_class([self.flat.shard], **defaults)
+        self.flats = [_flatten(g["params"], self.world, self.rank) for g in groups]
+        self.optimizer = optimizer_class(
+            [{**g, "params": [f.shard]} for g, f in zip(groups, self.flats)], **defaults)
         self.hook_calls: Counter[str] = Counter()  # per parameter name, in the last backward
         self._bucket = _Bucket()
         self._graph_task = -1
         self._handles: list[RemovableHandle] = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i))
-            for i, p in enumerate(self.flat.params)
+            p.register_post_accumulate_grad_hook(self._make_hook(g, i))
+            for g, flat in enumerate(self.flats) for i, p in enumerate(flat.params)
         ]
 
     # -- backward --------------------------------------------------------------------------------
 
-    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+    def _make_hook(self, group: int, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            self._on_grad_ready(index, param)
+            self._on_grad_ready(group, index, param)
 
         return hook
 
-    def _on_grad_ready(self, index: int, param: torch.Tensor) -> None:
+    def _on_grad_ready(self, group: int, index: int, param: torch.Tensor) -> None:
         task = torch._C._current_graph_task_id()
         if task != self._graph_task:  # the first hook of a new backward
             self._graph_task = task
@@ -153,7 +151,7 @@ class Zero2:
         param.grad = None  # released at once: from here on only the bucket holds it
         if self._bucket.numel and self._bucket.numel + grad.numel() > self.bucket_numel:
             self._flush()
-        self._bucket.grads.append((0, index, grad))
+        self._bucket.grads.append((group, index, grad))
         self._bucket.numel += grad.numel()
         if self._bucket.numel >= self.bucket_numel:
             self._flush()
@@ -166,77 +164,83 @@ class Zero2:
             return
         # Every rank filled its bucket in the same order (the same graph), so every rank builds
         # the same per-owner layout and the reductions line up.
-        layout: dict[int, list[tuple[torch.Tensor, int]]] = {}
-        for _, index, grad in bucket.grads:
-            for owner, start, end, offset in self.flat.pieces(index, self.world):
-                layout.setdefault(owner, []).append((grad[start:end], offset))
-        shard = self.flat.shard
-        if shard.grad is None:
-            shard.grad = torch.zeros_like(shard)
+        layout: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
+        for group, index, grad in bucket.grads:
+            for owner, start, end, offset in self.flats[group].pieces(index, self.world):
+                layout.setdefault(owner, []).append((grad[start:end], group, offset))
         for owner in sorted(layout):
-            chunk = torch.cat([piece for piece, _ in layout[owner]])
+            chunk = torch.cat([piece for piece, _, _ in layout[owner]])
             reduce_to_owner(chunk, owner, self.group)  # a global: faults can replace it
-            if owner == self.rank:
-                chunk /= self.world
-                position = 0
-                for piece, offset in layout[owner]:
-                    shard.grad[offset:offset + piece.numel()] += chunk[position:position
-                                                                      + piece.numel()]
-                    position += piece.numel()
+            if owner != self.rank:
+                continue
+            chunk /= self.world
+            position = 0
+            for piece, group, offset in layout[owner]:
+                shard = self.flats[group].shard
+                if shard.grad is None:
+                    shard.grad = torch.zeros_like(shard)
+                n = piece.numel()
+                shard.grad[offset:offset + n] += chunk[position:position + n]
+                position += n
 
     # -- step ------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step the owned piece, then all-gather so every rank holds the full parameters."""
+        """Step the owned pieces, then all-gather so every rank holds the full parameters."""
         if self._bucket.grads:
             raise RuntimeError("step() with gradients still in the bucket: backward did not end")
         self.optimizer.step()
-        flat = self.flat
-        _all_gather(flat.buffer, flat.shard.detach().clone(), group=self.group)
+        for flat in self.flats:
+            _all_gather(flat.buffer, flat.shard.detach().clone(), group=self.group)
 
     def zero_grad(self) -> None:
-        self.flat.shard.grad = None
-        for p in self.flat.params:
-            p.grad = None
+        for flat in self.flats:
+            flat.shard.grad = None
+            for p in flat.params:
+                p.grad = None
 
     # -- state -----------------------------------------------------------------------------------
 
+    def _layout(self) -> dict[str, Any]:
+        return {"rank": self.rank, "world_size": self.world,
+                "shard_numel": [f.shard_numel for f in self.flats]}
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard: its optimizer state and where the shard lies."""
-        return {"optimizer": self.optimizer.state_dict(), "rank": self.rank,
-                "world_size": self.world, "shard_numel": self.flat.shard_numel}
+        """This rank's shards: their optimizer state and where they lie."""
+        return {"optimizer": self.optimizer.state_dict(), **self._layout()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if (state_dict.get("world_size"), state_dict.get("shard_numel")) != (
-                self.world, self.flat.shard_numel) or state_dict.get("rank") != self.rank:
-            raise ValueError(
-                f"sharded state of rank {state_dict.get('rank')} of "
-                f"{state_dict.get('world_size')} (shard {state_dict.get('shard_numel')} "
-                f"elements) does not fit rank {self.rank} of {self.world} (shard "
-                f"{self.flat.shard_numel}); gather it with full_state_dict() and load that")
+        saved = {k: state_dict.get(k) for k in ("rank", "world_size", "shard_numel")}
+        if saved != self._layout():
+            raise ValueError(f"sharded state of {saved} does not fit {self._layout()}; gather "
+                             f"it with full_state_dict() and load that into a standard optimizer")
         self.optimizer.load_state_dict(state_dict["optimizer"])
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, Any]:
-        """The state gathered from every rank, as ``optimizer_class(model.named_parameters())``
-        would save it (a collective: every rank must call it)."""
-        flat, shard_state = self.flat, self.optimizer.state.get(self.flat.shard, {})
-        state: dict[int, dict[str, Any]] = {i: {} for i in range(len(flat.params))}
-        for key, value in sorted(shard_state.items()):
-            if torch.is_tensor(value) and value.shape == flat.shard.shape:
-                full = torch.empty_like(flat.buffer)
-                _all_gather(full, value.contiguous(), group=self.group)
-                for i, p in enumerate(flat.params):
-                    o = flat.offsets[i]
-                    state[i][key] = full[o:o + p.numel()].view_as(p).clone()
-            else:  # per-shard scalars (Adam's step) are equal on every rank
-                for i in state:
-                    state[i][key] = value.clone() if torch.is_tensor(value) else value
-        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        return {"state": {i: s for i, s in state.items() if s},
-                "param_groups": [{**group, "params": list(range(len(flat.params))),
-                                  "param_names": [self.names[p] for p in flat.params]}]}
+        """The state gathered from every rank, as ``optimizer_class`` built on the same param
+        groups (with names) would save it; a collective: every rank must call it."""
+        state: dict[int, dict[str, Any]] = {}
+        param_groups, first = [], 0
+        for flat, group in zip(self.flats, self.optimizer.param_groups):
+            shard_state = self.optimizer.state.get(flat.shard, {})
+            for key, value in sorted(shard_state.items()):
+                if torch.is_tensor(value) and value.shape == flat.shard.shape:
+                    full = torch.empty_like(flat.buffer)
+                    _all_gather(full, value.contiguous(), group=self.group)
+                    for i, (p, o) in enumerate(zip(flat.params, flat.offsets)):
+                        state.setdefault(first + i, {})[key] = full[o:o + p.numel()].view_as(
+                            p).clone()
+                else:  # per-shard scalars (Adam's step) are equal on every rank
+                    for i in range(len(flat.params)):
+                        state.setdefault(first + i, {})[key] = (
+                            value.clone() if torch.is_tensor(value) else value)
+            param_groups.append({**{k: v for k, v in group.items() if k != "params"},
+                                 "params": list(range(first, first + len(flat.params))),
+                                 "param_names": [self.names[p] for p in flat.params]})
+            first += len(flat.params)
+        return {"state": state, "param_groups": param_groups}
 
     # -- lifetime --------------------------------------------------------------------------------
 
@@ -245,8 +249,9 @@ class Zero2:
         for handle in self._handles:
             handle.remove()
         if self._handles:
-            for p in self.flat.params:
-                p.data = p.data.clone()
+            for flat in self.flats:
+                for p in flat.params:
+                    p.data = p.data.clone()
         self._handles.clear()
 
     def __enter__(self) -> Zero2:
@@ -254,6 +259,31 @@ class Zero2:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def _groups(params: list[dict[str, Any]] | None, names: dict) -> list[dict[str, Any]]:
+    """Validated param groups of trainable model parameters, one dtype each."""
+    trainable = [p for p in names if p.requires_grad]
+    params = [{"params": trainable}] if params is None else list(params)
+    groups = ([dict(g) for g in params] if all(isinstance(g, dict) for g in params)
+              else [{"params": params}])  # a plain list of tensors is one group
+    seen: set = set()
+    for i, g in enumerate(groups):
+        g["params"] = list(g.get("params", []))
+        for p in g["params"]:
+            if not isinstance(p, torch.Tensor) or p not in names or not p.requires_grad:
+                raise ValueError(f"param group {i} holds something that is not a trainable "
+                                 f"parameter of the model")
+            if p in seen:
+                raise ValueError(f"parameter '{names[p]}' appears in more than one place")
+            seen.add(p)
+        dtypes = {p.dtype for p in g["params"]}
+        if len(dtypes) > 1:
+            raise ValueError(f"param group {i} mixes dtypes {sorted(map(str, dtypes))}: one "
+                             f"flat buffer needs one dtype")
+    if not any(g["params"] for g in groups):
+        raise ValueError("no parameter requires grad: there is nothing to optimize")
+    return [g for g in groups if g["params"]]
 
 
 @torch.no_grad()
@@ -295,12 +325,14 @@ def _device(rank: int) -> str:
 
 def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
                bucket_numel: int, steps: int = 5, accumulation: int = 1,
-               fault: str | None = None) -> dict[str, Any]:
+               fault: str | None = None,
+               groups: list[tuple[list[str], dict]] | None = None) -> dict[str, Any]:
     """Train ``spec`` with ZeRO-2 on this rank's share of each global batch (run it on every
     rank, e.g. through ``hookbench.launch.run``). Returns the full parameters after every
     step, and what each backward left behind: gradients on the model's parameters, the shard's
-    gradient size, and the hook calls per parameter. ``fault`` names a ``hookbench.faults``
-    fault to inject; an error it causes is returned, not raised, so every rank finishes."""
+    gradient size, and the hook calls per parameter. ``groups``: param groups as (parameter
+    names, options). ``fault`` names a ``hookbench.faults`` fault to inject; an error it
+    causes is returned, not raised, so every rank finishes."""
     from hookbench.faults import inject
 
     device = _device(rank)
@@ -308,9 +340,12 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     snapshots: list[dict[str, torch.Tensor]] = []
     after_backward: list[dict[str, Any]] = []
     result = {"snapshots": snapshots, "after_backward": after_backward, "error": None}
-    with inject(fault), Zero2(model, optimizer_class, bucket_numel=bucket_numel,
+    named = dict(model.named_parameters())
+    params = None if groups is None else [{"params": [named[n] for n in names], **options}
+                                          for names, options in groups]
+    with inject(fault), Zero2(model, optimizer_class, params, bucket_numel=bucket_numel,
                               **kwargs) as zero:
-        result.update(shard_numel=zero.flat.shard_numel, trainable=len(zero.flat.params))
+        result.update(shard_numel=sum(f.shard_numel for f in zero.flats))
         try:
             for i in range(steps):
                 for micro in range(accumulation):
@@ -319,7 +354,7 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                     after_backward.append({
                         "param_grads": [n for n, p in model.named_parameters()
                                         if p.grad is not None],
-                        "shard_grad_numel": zero.flat.shard.grad.numel(),
+                        "shard_grad_numel": sum(f.shard.grad.numel() for f in zero.flats),
                         "hook_calls": dict(zero.hook_calls),
                     })
                 zero.step()

@@ -28,6 +28,7 @@ def test_report_prints_writes_and_passes(capsys, tmp_path):
     assert "bit-exact" in out and "FAILED" not in out
     assert "Peak memory of one training step (transformer, batch 1, Adam, backend fake" in out
     assert "measuring transformer batch 1, in_backward" in captured.err  # progress
+    assert "ZeRO-2 (sharded gradient release)" in out and "rank 0 of 64" in out
     assert (tmp_path / "memory.png").read_bytes().startswith(b"\x89PNG")
     data = json.loads((tmp_path / "report.json").read_text())
     assert [m["strategy"] for m in data["memory"]] == list(MEMORY_STRATEGIES)
@@ -38,9 +39,12 @@ def test_report_prints_writes_and_passes(capsys, tmp_path):
 
 def test_report_exits_non_zero_when_a_check_fails(capsys, tmp_path):
     with inject("stops_after_first_backward"):
-        assert main([*ARGS, "--out", str(tmp_path)]) == 1
+        assert main([*ARGS, "--sections", "contract,optimizer", "--out", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "VIOLATED" in out and "FAILED (marked !)" in out
+    assert "Peak memory" not in out  # only the sections asked for
+    assert main([*ARGS, "--sections", "contract,nope"]) == 2
+    assert "unknown report sections ['nope']" in capsys.readouterr().err
 
 
 def test_report_refuses_a_cuda_measurement_without_cuda(capsys, tmp_path):
