@@ -22,8 +22,8 @@ from hookbench import launch, plot, report, zero2
 from hookbench.activation_capture import ActivationCapture
 from hookbench.coord_check import coord_check
 from hookbench.memory import measure
-from hookbench.parity import Tolerance, compare, trajectory
-from hookbench.zoo import ZOO, TinySpec, ZooSpec
+from hookbench.parity import compare, parameters_only, trajectory
+from hookbench.zoo import ZOO, ZooSpec
 
 
 def _progress(message: str) -> None:
@@ -62,7 +62,9 @@ def _report(args: argparse.Namespace) -> int:
         sections.append(report.memory_section(results))
         written.insert(0, plot.memory_timeline(results, out / "memory.png"))
     if "zero2" in chosen:
-        sections.append(_zero2_section(spec, backend, results))
+        by = {r.strategy: r for r in results}
+        sections.append(report.zero2_section(spec, backend, by.get("foreach"),
+                                             by.get("in_backward"), _progress))
     data = {"torch": torch.__version__, "backend": backend, "model": spec.name,
             "batch_size": spec.batch_size, "memory": [r.to_dict() for r in results],
             "checks": [{"section": s.title, "row": list(cells), "ok": ok}
@@ -72,35 +74,6 @@ def _report(args: argparse.Namespace) -> int:
     print(f"\nwrote {' and '.join(map(str, written))}"
           + (f" and memory snapshots in {out}" if backend == "cuda" and results else ""))
     return 0 if all(s.ok for s in sections) else 1
-
-
-def _zero2_section(spec: ZooSpec, backend: str, results: list) -> report.Section:
-    _progress("ZeRO-2: parity on 2 gloo ranks ...")
-    tiny = TinySpec(depth=3, width=8, batch_size=6)
-    cases = [dict(spec=tiny, optimizer_class=cls, kwargs={**kw, "foreach": False},
-                  bucket_numel=50, steps=5) for cls, kw in (
-                      (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
-                      (torch.optim.Adam, {"lr": 1e-2}))]
-    ranks = launch.run(zero2.trajectories, 2, cases)
-    parity = []
-    for i, case in enumerate(cases):
-        ref = [{k: v for k, v in s.items() if "/" not in k} for s in trajectory(
-            tiny, case["optimizer_class"], case["kwargs"], "forloop", steps=5)]
-        for rank, got in enumerate(ranks):
-            parity.append((f"{case['optimizer_class'].__name__}, gloo rank {rank} of 2",
-                           compare(got[i]["snapshots"], ref, ZERO2_TOLERANCE)))
-    memory = {}
-    for n in report.ZERO2_RANKS:
-        _progress(f"ZeRO-2: {spec.name} rank 0 of {n}, backend {backend} ...")
-        memory[n] = measure(spec, "zero2", backend=backend, world_size=n,
-                            optimizer_kwargs={"lr": 1e-3, "bucket_numel": report.ZERO2_BUCKET})
-    by = {r.strategy: r for r in results}
-    return report.zero2_section(parity, memory, by.get("foreach"), by.get("in_backward"))
-
-
-# ZeRO-2 against single-process training: a different order of fp32 additions in the
-# reduction; DeepSpeed's own tests use these bounds (see tests/test_zero2.py).
-ZERO2_TOLERANCE = Tolerance(rtol=1e-5, atol=1e-6)
 
 
 def _zero2_demo(rank: int, world: int, spec: ZooSpec, steps: int,
@@ -115,10 +88,9 @@ def _zero2_demo(rank: int, world: int, spec: ZooSpec, steps: int,
     got = zero2.trajectory(rank, world, spec, torch.optim.SGD, sgd, bucket_numel, steps)
     memory = zero2.rank_memory(rank, world, spec, {"lr": 1e-3, "foreach": False,
                                                    "bucket_numel": bucket_numel})
-    ref = [{k: v for k, v in s.items() if "/" not in k}
-           for s in trajectory(spec, torch.optim.SGD, sgd, "forloop", steps=steps)]
+    ref = parameters_only(trajectory(spec, torch.optim.SGD, sgd, "forloop", steps=steps))
     return {"rank": rank, "peak": memory["peak"], "breakdown": memory["breakdown"],
-            "parity": compare(got["snapshots"], ref, ZERO2_TOLERANCE)}
+            "parity": compare(got["snapshots"], ref, zero2.TOLERANCE)}
 
 
 def _zero2(args: argparse.Namespace) -> int:

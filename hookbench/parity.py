@@ -26,7 +26,6 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 
 from hookbench.optimizer_in_backward import OptimizerInBackward
-from hookbench.zero2 import Zero2
 from hookbench.zoo import TinySpec
 
 __all__ = [
@@ -36,6 +35,7 @@ __all__ = [
     "Tolerance",
     "compare",
     "live_gradients",
+    "parameters_only",
     "start",
     "tolerance",
     "training",
@@ -144,6 +144,11 @@ class Training:
         return snap
 
 
+def parameters_only(snapshots: list[Snapshot]) -> list[Snapshot]:
+    """The parameters of each snapshot, without the optimizer state."""
+    return [{k: v for k, v in snap.items() if "/" not in k} for snap in snapshots]
+
+
 def trajectory(
     spec: TinySpec,
     optimizer_class: type[torch.optim.Optimizer],
@@ -193,6 +198,8 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
         )
         return Started(nothing, lambda p: opt.state.get(p, {}), opt.remove, params)
     if strategy == "zero2":  # kwargs may carry bucket_numel
+        from hookbench.zero2 import Zero2  # zero2 imports this module
+
         zero = Zero2(model, cls, **{"foreach": False, **kwargs})
 
         def zero_step() -> None:

@@ -9,20 +9,21 @@ from __future__ import annotations
 import inspect
 import platform
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from hookbench import hook_contract
-from hookbench.memory import CATEGORIES, MemoryResult
+from hookbench.memory import CATEGORIES, MemoryResult, measure
 from hookbench.parity import (
     FAMILIES,
-    Comparison,
     compare,
     live_gradients,
+    parameters_only,
     tolerance,
     trajectory,
 )
-from hookbench.zoo import TinySpec
+from hookbench.zoo import TinySpec, ZooSpec
 
 __all__ = [
     "MEMORY_STRATEGIES",
@@ -138,15 +139,34 @@ ZERO2_RANKS = (2, 8, 64)
 ZERO2_BUCKET = 2**22  # gradient elements per bucket
 
 
-def zero2_section(parity_results: list[tuple[str, Comparison]], memory: dict[int, MemoryResult],
-                  standard: MemoryResult | None, fused: MemoryResult | None) -> Section:
-    """The parity verdicts (gloo ranks against single-process training), and rank 0's peak for
-    N ranks against the ZeRO formula, beside the single-device strategies where measured."""
+def zero2_section(spec: ZooSpec, backend: str, standard: MemoryResult | None,
+                  fused: MemoryResult | None,
+                  progress: Callable[[str], None] = lambda message: None) -> Section:
+    """Parity of ZeRO-2 on 2 spawned gloo ranks against single-process training, and rank 0's
+    peak for N ranks against the ZeRO formula, beside the single-device strategies (where
+    measured)."""
+    from hookbench import launch, zero2  # spawning ranks; only this section needs it
+
     section = Section("ZeRO-2 (sharded gradient release): parity on gloo, and memory per rank "
                       "(GB) against 4 Psi + 12 Psi / N", ("check", "verdict"))
-    for label, result in parity_results:
-        section.add(result.ok, label, result.verdict())
-    for n, r in memory.items():
+    progress("ZeRO-2: parity on 2 gloo ranks ...")
+    tiny = TinySpec(depth=3, width=8, batch_size=6)
+    cases = [dict(spec=tiny, optimizer_class=cls, kwargs={**kw, "foreach": False},
+                  bucket_numel=50, steps=5)
+             for cls, kw in ((torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+                             (torch.optim.Adam, {"lr": 1e-2}))]
+    ranks = launch.run(zero2.trajectories, 2, cases)
+    for i, case in enumerate(cases):
+        ref = parameters_only(trajectory(tiny, case["optimizer_class"], case["kwargs"],
+                                         "forloop", steps=5))
+        for rank, got in enumerate(ranks):
+            result = compare(got[i]["snapshots"], ref, zero2.TOLERANCE)
+            section.add(result.ok, f"{case['optimizer_class'].__name__}, gloo rank {rank} of 2",
+                        result.verdict())
+    for n in ZERO2_RANKS:
+        progress(f"ZeRO-2: {spec.name} rank 0 of {n}, backend {backend} ...")
+        r = measure(spec, "zero2", backend=backend, world_size=n,
+                    optimizer_kwargs={"lr": 1e-3, "bucket_numel": ZERO2_BUCKET})
         formula = r.parameters * (1 + 3 / n)
         ok = r.gradients_alive_max < r.all_gradients and (standard is None
                                                           or r.peak < standard.peak)
