@@ -8,6 +8,7 @@ Test tiers (markers are registered in pyproject.toml and enforced with --strict-
     pytest -m distributed               tests that spawn torch.distributed worker processes
     pytest --hypothesis-profile thorough    property tests with many more examples
     pytest --benchmark-only             only the pytest-benchmark benchmarks
+    pytest --benchmark-compare          compare with the newest run stored in baselines/benchmarks
     pytest --hookbench-fault NAME       run the suite with a PyTorch hook fault injected; it must fail
 
 Hypothesis profiles: ``ci`` (derandomized, no deadline, moderate examples; the default when the
@@ -51,9 +52,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-benchmark opens its storage
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--hookbench-fault"):
         settings.load_profile("fault")
+    # pytest-benchmark stores runs in ./.benchmarks relative to the current directory; the
+    # committed baselines live in baselines/benchmarks, wherever pytest is started from.
+    if config.getoption("benchmark_storage", None) == "file://./.benchmarks":
+        config.option.benchmark_storage = f"file://{config.rootpath / 'baselines' / 'benchmarks'}"
+
+
+def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict) -> None:
+    """Stored benchmark runs say which torch, CUDA and GPU they ran on."""
+    machine_info["torch"] = torch.__version__
+    machine_info["cuda"] = torch.version.cuda
+    machine_info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hookbench.faults import inject
+from hookbench.memory import measure
 from hookbench.optimizer_in_backward import OptimizerInBackward
 from hookbench.parity import (
     FAMILIES,
@@ -490,6 +491,10 @@ def test_benchmark_step_time(benchmark, strategy):
     spec = TinySpec(depth=12, width=256, in_features=256, batch_size=32)
     cls, kw = FAMILIES["adam"]
     benchmark.extra_info["strategy"] = strategy
+    # The step's peak memory, fake backend (exact, as CUDA's allocator would count it), beside
+    # its time in the stored run.
+    benchmark.extra_info["peak_bytes"] = measure(spec, strategy, optimizer_class=cls,
+                                                 optimizer_kwargs=kw).peak
     with training(spec, cls, kw, strategy) as run:
         run.step(0)  # Adam creates its state lazily: time the steady state
         benchmark(run.step, 1)
