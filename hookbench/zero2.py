@@ -14,12 +14,14 @@ With N data-parallel ranks:
   (``Variable._execution_engine.queue_callback``, as DeepSpeed does) runs once every hook of
   the graph task has fired, which counting hooks cannot know when some parameter gets no
   gradient;
-* ``step()`` updates the owned piece, then ``all_gather_into_tensor`` rebuilds the full flat
+* ``step()`` updates the owned piece, then an all-gather rebuilds the full flat
   buffer on every rank. Micro-batches accumulate into the shard's gradient; call ``step()``
   after the last of them, as with a standard optimizer.
 
-Per rank, fp32 Adam: parameters 4 Psi + gradient shard 4 Psi/N + Adam state 8 Psi/N, plus
-activations and one bucket: the ZeRO paper's 4 Psi + 12 Psi / N.
+Per rank, fp32 Adam: parameters 4 Psi + gradient shard 4 Psi/N + Adam state 8 Psi/N, the
+ZeRO paper's 4 Psi + 12 Psi / N, plus activations, the bucket and its concatenated copy for
+the reduction. The gradient shard is allocated when the rank's first piece arrives, and Adam's
+for-loop step adds two shard-sized temporaries.
 """
 
 from __future__ import annotations
@@ -358,11 +360,13 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
             for i in range(steps):
                 for micro in range(accumulation):
                     x, y = _local(spec, i * accumulation + micro, rank, world, device)
+                    zero.hook_calls.clear()  # so that a backward whose hooks never fire shows
                     (spec.loss(model(x), y) / accumulation).backward()
                     after_backward.append({
                         "param_grads": [n for n, p in model.named_parameters()
                                         if p.grad is not None],
-                        "shard_grad_numel": sum(f.shard.grad.numel() for f in zero.flats),
+                        "shard_grad_numel": sum(f.shard.grad.numel() for f in zero.flats
+                                                if f.shard.grad is not None),
                         "hook_calls": dict(zero.hook_calls),
                     })
                 zero.step()

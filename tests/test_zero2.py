@@ -133,6 +133,27 @@ def test_parameters_straddle_ranks_with_three():
     assert sum(len(o) > 1 for o in owners) == 2  # 2.weight and 4.weight
 
 
+def test_release_checks_catch_a_hook_that_stops_firing():
+    # In this process, as rank 0 of 2 in a fake process group (collectives move no data: the
+    # checks here are about which gradients exist, not their values).
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        cls, kw = OPTIMIZERS["sgd"]
+        clean = zero2.trajectory(0, 2, SPEC, cls, kw, 50, steps=2)
+        assert all(a["param_grads"] == [] and len(a["hook_calls"]) == 8
+                   for a in clean["after_backward"])
+        broken = zero2.trajectory(0, 2, SPEC, cls, kw, 50, steps=2,
+                                  fault="stops_after_first_backward")
+        second = broken["after_backward"][1]
+        # The second backward's gradients stay on the parameters and no hook is counted:
+        # both checks of test_gradients_released_and_each_hook_fired_once would fail.
+        assert len(second["param_grads"]) == 8 and second["hook_calls"] == {}
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("fault", FAULTS)
 def test_injected_faults_are_caught(runs, fault):
     cases, results = runs(2)
