@@ -293,6 +293,8 @@ def test_tied_parameter_steps_once_per_backward():
     with OptimizerInBackward(model, torch.optim.Adam, lr=0.1) as opt:
         _train(model, spec, 3)
         assert int(opt.state[tied]["step"]) == 3
+        # one inner optimizer per parameter; model.parameters() lists the tied one once
+        assert len(opt.inner_optimizers) == len(list(model.parameters()))
 
 
 @pytest.mark.parametrize("grouped", [False, True])
