@@ -113,13 +113,16 @@ class Record:
     @property
     def value(self) -> torch.Tensor | dict[str, float]:
         """The tensor, or its statistics."""
-        return self.raw.resolve() if isinstance(self.raw, _Stats) else self.raw
+        return _read(self.raw)
 
     @property
     def grad(self) -> torch.Tensor | dict[str, float] | None:
         """The gradient with respect to this output, or its statistics (grads=True)."""
-        g = self.raw_grad
-        return g.resolve() if isinstance(g, _Stats) else g
+        return _read(self.raw_grad)
+
+
+def _read(raw: torch.Tensor | _Stats | None) -> torch.Tensor | dict[str, float] | None:
+    return raw.resolve() if isinstance(raw, _Stats) else raw
 
 
 class ActivationCapture:

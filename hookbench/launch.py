@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import tempfile
 import time
@@ -67,8 +68,6 @@ def _failures(context: Any, world_size: int, out: str) -> str:
 
 
 def _traceback(raw: bytes) -> str:
-    import pickle
-
     try:
         return str(pickle.loads(raw))
     except Exception:  # noqa: BLE001 - an unreadable record still names the rank

@@ -242,7 +242,6 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
     trainable = [p for p in params if p.requires_grad]
     started = parity.start(strategy, model, cls, kwargs, 1)
     stack.callback(started.close)
-    step_optimizer = started.step
     with_grads = list({id(t): t for t in (*trainable, *started.optimized)}.values())
 
     def state_tensors() -> Iterator[torch.Tensor]:
@@ -281,7 +280,7 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         del loss
         classify()
         tracker.phase = "optimizer"
-        step_optimizer()
+        started.step()
         classify()
         tracker.phase = "idle"
 
