@@ -2,14 +2,16 @@
 
 Test tiers (markers are registered in pyproject.toml and enforced with --strict-markers):
 
-    pytest                              everything this machine can run (GPU tests skip), < 5 min
+    pytest                              everything this machine can run (GPU tests skip), ~6 min
     pytest -m "not slow"                the quick loop while developing
     pytest -m gpu                       the GPU tier; needs CUDA, each test skips with a reason
     pytest -m distributed               tests that spawn torch.distributed worker processes
     pytest --hypothesis-profile thorough    property tests with many more examples
     pytest --benchmark-only             only the pytest-benchmark benchmarks
     pytest --benchmark-compare          compare with the newest run stored in baselines/benchmarks
-    pytest --hookbench-fault NAME       run the suite with a PyTorch hook fault injected; it must fail
+    pytest --hookbench-fault NAME       the suite with a PyTorch fault injected: it must fail
+    tox -e torch213                     the suite on torch 2.13.0 (torchvision tests skip)
+    hookbench gate; hookbench selfcheck the upgrade gate against baselines/gate.json (README)
 
 Hypothesis profiles: ``ci`` (derandomized, no deadline, moderate examples; the default when the
 CI variable is set), ``dev`` (the default otherwise: fewer examples), ``thorough``.
@@ -69,6 +71,53 @@ def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: di
     machine_info["gpu"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
+# The ratios that matter, from one run's medians: (label, benchmark group, the extra_info value
+# of the slower and of the reference benchmark, target). The targets are hookbench's goals,
+# shown beside the measurement; speed is gated by --benchmark-compare-fail, never by a test.
+RATIOS = (
+    ("in backward, grouped+foreach / foreach step", "adam-step", "in_backward_grouped_foreach",
+     "foreach", 1.10),
+    ("in backward, per parameter / foreach step", "adam-step", "in_backward", "foreach", None),
+    ("ZeRO-2 on 2 gloo ranks / foreach step", "adam-step", "zero2", "foreach", None),
+    ("capture, statistics rms+mean_abs / plain forward", "resnet18-capture",
+     "stats_rms_mean_abs", "plain", 1.25),
+    ("capture, all 8 statistics / plain forward", "resnet18-capture", "stats", "plain", None),
+    ("capture, full tensors / plain forward", "resnet18-capture", "tensors", "plain", None),
+)
+
+
+def _ratios(benchmarks: list) -> list[dict]:
+    stats = {(b.group, b.extra_info.get("device"),
+              b.extra_info.get("strategy", b.extra_info.get("mode"))): b.stats
+             for b in benchmarks if b and not b.has_error}
+    return [{"ratio": label, "device": device, "target": target,
+             "median": stats[group, device, slow].median / stats[group, device, fast].median,
+             "min": stats[group, device, slow].min / stats[group, device, fast].min}
+            for label, group, slow, fast, target in RATIOS for device in ("cpu", "cuda")
+            if (group, device, slow) in stats and (group, device, fast) in stats]
+
+
+def pytest_benchmark_update_json(config: pytest.Config, benchmarks: list, output_json: dict):
+    """A saved run carries its ratios, so runs on other torch versions compare at a glance."""
+    output_json["hookbench_ratios"] = _ratios(benchmarks)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest-benchmark's table
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    session = getattr(config, "_benchmarksession", None)
+    rows = _ratios(session.benchmarks) if session is not None else []
+    if not rows:
+        return
+    # Benchmarks run one after another, so on a shared machine a ratio also measures how the
+    # machine's load changed in between; `hookbench gate` times the same pairs interleaved.
+    terminalreporter.section("hookbench: benchmark ratios of this run (median; min)")
+    for r in rows:
+        target = "" if r["target"] is None else (
+            f"  target <= {r['target']:.2f}x: {'met' if r['median'] <= r['target'] else 'MISSED'}")
+        terminalreporter.write_line(f"{r['device']:4}  {r['ratio']:50} {r['median']:5.2f}x; "
+                                    f"{r['min']:5.2f}x" + target)
+
+
 def pytest_report_header(config: pytest.Config) -> list[str]:
     cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else "not available"
     lines = [f"hookbench: torch {torch.__version__}, CUDA {cuda}"]
@@ -78,10 +127,24 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines
 
 
+def _torchvision_missing() -> str | None:
+    try:
+        import torchvision  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - absent, or built for another torch ("operator
+        return f"{type(e).__name__}: {e}"  # torchvision::nms does not exist")
+    return None
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # The one place that gates the GPU tier: @pytest.mark.gpu or @pytest.mark.gpu(count=2).
+    # The one place that gates the GPU tier (@pytest.mark.gpu, @pytest.mark.gpu(count=2)) and
+    # the tests of torchvision's models (@pytest.mark.torchvision; absent beside torch 2.13).
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = _torchvision_missing() if any(i.get_closest_marker("torchvision")
+                                            for i in items) else None
     for item in items:
+        if missing and item.get_closest_marker("torchvision"):
+            item.add_marker(pytest.mark.skip(reason=f"needs torchvision, which does not import "
+                                                    f"beside torch {torch.__version__}: {missing}"))
         marker = item.get_closest_marker("gpu")
         if marker is None:
             continue

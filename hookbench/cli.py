@@ -6,6 +6,9 @@
     hookbench coord-check   the muP coordinate check: width sweep, verdict, plot; exits 1 on FAIL
     hookbench zero2         ZeRO-2 demo: per-rank peak memory and parity; under torchrun
                             (torchrun --nproc-per-node 2 -m hookbench.cli zero2) or spawning
+    hookbench record        record the upgrade gate's baseline (baselines/gate.json) on purpose
+    hookbench gate          the installed torch against that baseline; exits 1 on a regression
+    hookbench selfcheck     the gate under every injected fault; exits 1 unless all are caught
 """
 
 from __future__ import annotations
@@ -18,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from hookbench import launch, plot, report, zero2
+from hookbench import baselines, gate, launch, plot, report, zero2
 from hookbench.activation_capture import ActivationCapture
 from hookbench.coord_check import coord_check
+from hookbench.faults import FAULTS
 from hookbench.memory import measure
 from hookbench.parity import compare, parameters_only, trajectory
 from hookbench.zoo import ZOO, ZooSpec
@@ -33,14 +37,21 @@ def _progress(message: str) -> None:
 SECTIONS = ("contract", "optimizer", "memory", "zero2")
 
 
-def _report(args: argparse.Namespace) -> int:
-    backend = args.device
-    if backend == "auto":
-        backend = "cuda" if torch.cuda.is_available() else "fake"
-    chosen = args.sections.split(",")
-    unknown = set(chosen) - set(SECTIONS)
+def _chosen(value: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
+    chosen = tuple(value.split(","))
+    unknown = set(chosen) - set(known)
     if unknown:
-        raise ValueError(f"unknown report sections {sorted(unknown)}; choose from {SECTIONS}")
+        raise ValueError(f"unknown {what} {sorted(unknown)}; choose from {known}")
+    return chosen
+
+
+def _backend(device: str) -> str:
+    return ("cuda" if torch.cuda.is_available() else "fake") if device == "auto" else device
+
+
+def _report(args: argparse.Namespace) -> int:
+    backend = _backend(args.device)
+    chosen = _chosen(args.sections, SECTIONS, "report sections")
     spec = ZooSpec(args.model, batch_size=args.batch_size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -129,6 +140,59 @@ def _zero2(args: argparse.Namespace) -> int:
               f"{r['parity'].verdict()}")
     ok = all(r["parity"].ok for r in ranks)
     print("parity: " + ("PASS" if ok else "FAIL"))
+    return 0 if ok else 1
+
+
+def _record(args: argparse.Namespace) -> int:
+    models = _chosen(args.models, tuple(ZOO), "models")
+    _progress(f"recording the gate's baseline on torch {torch.__version__} (models "
+              f"{', '.join(models)}; a few minutes) ...")
+    data = gate.record(models, _chosen(args.sections, gate.SECTIONS, "gate sections"))
+    path = baselines.save(data, args.baseline)
+    print(f"wrote {path}: torch {data['recorded_with']['torch']} on "
+          f"{data['recorded_with']['cpu_capability']}; " + ", ".join(
+              f"{section} {len(data[section])}" for section in gate.SECTIONS if section in data))
+    return 0
+
+
+def _gate(args: argparse.Namespace) -> int:
+    base = baselines.load(args.baseline)
+    sections = _chosen(args.sections, gate.SECTIONS, "gate sections")
+    device = _backend(args.device)
+    _progress(f"gate: torch {torch.__version__} against the baseline of torch "
+              f"{base['recorded_with']['torch']} ({args.baseline}) ...")
+    result = gate.gate(base, sections, _chosen(args.models, tuple(ZOO), "models"),
+                       args.fault, device, time_slack=args.time_slack)
+    print(report.render(list(result.values()), title="hookbench gate"))
+    failed = [name for name, s in result.items() if not s.ok]
+    print(f"baseline: torch {base['recorded_with']['torch']} on "
+          f"{base['recorded_with']['cpu_capability']}; GATE "
+          + (f"FAILED in {', '.join(failed)}" if failed else "PASSED"))
+    return 1 if failed else 0
+
+
+def _selfcheck(args: argparse.Namespace) -> int:
+    base = baselines.load(args.baseline)
+    sections = _chosen(args.sections, gate.SECTIONS, "gate sections")
+    caught = gate.selfcheck(base, sections, _chosen(args.models, tuple(ZOO), "models"),
+                            _progress)
+    width = max(map(len, FAULTS))
+    print(f"hookbench selfcheck: the gate under each injected fault, torch {torch.__version__}")
+    for fault, failed in caught.items():
+        if fault is None:
+            print(f"  {'no fault':{width}}  " + (
+                "passes" if not failed else f"FAILS (it must pass): {failed}"))
+        else:
+            print(f"  {fault:{width}}  " + ("CAUGHT by " + "; ".join(
+                f"{name} ({', '.join(rows[:3])}{', ...' if len(rows) > 3 else ''})"
+                for name, rows in failed.items()) if failed else "MISSED"))
+    if args.json:
+        Path(args.json).write_text(json.dumps({str(k): v for k, v in caught.items()}, indent=1))
+    missed = [f for f, failed in caught.items() if f is not None and not failed]
+    ok = not caught[None] and not missed
+    print(f"{sum(bool(v) for f, v in caught.items() if f)} of {len(FAULTS)} faults caught"
+          + ("; the clean run passes" if not caught[None] else "; the CLEAN RUN FAILS")
+          + (f"; MISSED: {', '.join(missed)}" if missed else ""))
     return 0 if ok else 1
 
 
@@ -223,13 +287,45 @@ def main(argv: list[str] | None = None) -> int:
     z2.add_argument("--steps", type=int, default=3)
     z2.add_argument("--bucket-numel", type=int, default=2**20)
     z2.set_defaults(run=_zero2)
+
+    def baseline_options(command: argparse.ArgumentParser, models: tuple[str, ...]) -> None:
+        command.add_argument("--baseline", default=str(baselines.DEFAULT),
+                             help="the gate's baseline (default: %(default)s)")
+        command.add_argument("--models", default=",".join(models),
+                             help="comma-separated zoo models for the memory section "
+                                  "(default: %(default)s)")
+        command.add_argument("--sections", default=",".join(gate.SECTIONS),
+                             help="comma-separated (default: %(default)s)")
+
+    rec = commands.add_parser("record", help="record the upgrade gate's baseline on purpose "
+                                             "(hook outcomes, checksums, memory, time ratios)")
+    baseline_options(rec, gate.MODELS + ("vit_l_16",))
+    rec.set_defaults(run=_record)
+    gt = commands.add_parser("gate", help="the installed torch against the stored baseline; "
+                                          "exits 1 when hooks, numerics, memory or time regress")
+    baseline_options(gt, gate.MODELS)
+    gt.add_argument("--device", choices=("auto", "cuda", "fake"), default="fake",
+                    help="memory backend; cuda compares the allocator's peak with the fake "
+                         "baseline within 5%%")
+    gt.add_argument("--fault", choices=sorted(FAULTS), help="inject this fault (selfcheck "
+                                                              "runs them all)")
+    gt.add_argument("--time-slack", type=float, default=gate.TIME_SLACK,
+                    help="fail a step-time ratio this fraction above the recorded one "
+                         "(default: %(default)s, for shared CI machines)")
+    gt.set_defaults(run=_gate)
+    sc = commands.add_parser("selfcheck", help="run the gate under every injected fault: each "
+                                               "must be caught and the clean run must pass")
+    baseline_options(sc, ("transformer",))
+    sc.add_argument("--json", help="also write which section caught each fault here")
+    sc.set_defaults(run=_selfcheck)
     args = parser.parse_args(argv)
     for option in ("batch_size", "nproc", "steps", "seeds"):
         if getattr(args, option, 1) < 1:
             parser.error(f"--{option.replace('_', '-')} must be >= 1")
+    # A measurement that cannot run here (no CUDA, no baseline, no torchvision): say why.
     try:
         return args.run(args)
-    except (RuntimeError, ValueError) as e:  # a measurement that cannot run here, say why
+    except (RuntimeError, ValueError, FileNotFoundError, ImportError) as e:
         print(f"hookbench {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -2,15 +2,18 @@
 
 Each fault makes PyTorch misbehave the way a regression would, by swapping one function for a
 broken version while ``inject(name)`` is active and restoring it in ``finally``: hook faults
-replace ``torch.Tensor.register_post_accumulate_grad_hook``; collective faults replace the
-reduction ZeRO-2 sends gradients through (``hookbench.zero2.reduce_to_owner``). The fault tests
-(and ``pytest --hookbench-fault NAME``) run the suite's own checks under each fault and require
+replace ``torch.Tensor.register_post_accumulate_grad_hook``; ``removal_does_nothing`` replaces
+``RemovableHandle.remove``; ``optimizer_arithmetic_changed`` replaces the functional Adam that
+``Adam`` and ``AdamW`` step through; collective faults replace the reduction ZeRO-2 sends
+gradients through (``hookbench.zero2.reduce_to_owner``). The fault tests, ``pytest
+--hookbench-fault NAME`` and ``hookbench selfcheck`` run the checks under each fault and require
 that they fail.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Callable, Iterator
 
 import torch
@@ -67,6 +70,36 @@ def _keeps_gradients_alive(original: _Register) -> _Register:
     return register
 
 
+def _fires_late(original: _Register) -> _Register:
+    # The hook runs once, after accumulation, but only when the whole backward pass has ended:
+    # the numbers come out right and every gradient is alive at once, the saving gone.
+    def register(self, hook):
+        def late(t):
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: hook(t))
+
+        return original(self, late)
+
+    return register
+
+
+def _removal_does_nothing(original: Callable) -> Callable:
+    # handle.remove() returns and the hook stays registered.
+    def remove(self):
+        pass
+
+    return remove
+
+
+def _optimizer_arithmetic_changed(original: Callable) -> Callable:
+    # Every Adam/AdamW update comes out 0.1% larger, as a changed bias correction or eps
+    # placement would make it; both sides of a parity check use it, so only a stored baseline
+    # can see it.
+    def adam(*args, lr, **kwargs):
+        return original(*args, lr=lr * 1.001, **kwargs)
+
+    return adam
+
+
 def _wrong_slice(original: Callable) -> Callable:
     # The owner receives its reduced piece shifted by one element: another slice's data.
     def reduce(chunk, owner, group):
@@ -89,6 +122,15 @@ def _hook_registration() -> tuple[object, str]:
     return torch.Tensor, "register_post_accumulate_grad_hook"
 
 
+def _handle_removal() -> tuple[object, str]:
+    return torch.utils.hooks.RemovableHandle, "remove"
+
+
+def _functional_adam() -> tuple[object, str]:
+    # torch.optim deletes its submodule names; Adam.step calls this module's global ``adam``.
+    return importlib.import_module("torch.optim.adam"), "adam"
+
+
 def _zero2_reduction() -> tuple[object, str]:
     from hookbench import zero2
 
@@ -101,6 +143,9 @@ FAULTS: dict[str, tuple[Callable[[], tuple[object, str]], Callable[[Callable], C
     "stops_after_first_backward": (_hook_registration, _stops_after_first_backward),
     "fires_before_accumulation": (_hook_registration, _fires_before_accumulation),
     "keeps_gradients_alive": (_hook_registration, _keeps_gradients_alive),
+    "fires_late": (_hook_registration, _fires_late),
+    "removal_does_nothing": (_handle_removal, _removal_does_nothing),
+    "optimizer_arithmetic_changed": (_functional_adam, _optimizer_arithmetic_changed),
     "collective_wrong_slice": (_zero2_reduction, _wrong_slice),
     "collective_low_precision": (_zero2_reduction, _low_precision),
 }

@@ -2,14 +2,19 @@
 and a failing rank that fails the run instead of hanging it.
 
 ``run(fn, world_size, *args)`` starts ``world_size`` processes, initializes a gloo (or nccl)
-process group on a free localhost port in each, calls ``fn(rank, world_size, *args)``, and returns the
-per-rank results. If a rank raises, the others are terminated and ``RankFailed`` names it with
+process group on a free localhost port in each, calls ``fn(rank, world_size, *args)``, and
+returns the per-rank results. If a rank raises, the others are terminated and ``RankFailed`` names it with
 its traceback; if the whole run outlives ``timeout`` seconds, every process is killed and
 ``TimeoutError`` is raised. ``fn`` and its arguments must be picklable (module-level).
+
+``beside(fn, world_size, *args)`` makes the calling process rank 0 and spawns the other ranks
+to run ``fn``: what the ranks do together can then be timed from the driving process (the
+ZeRO-2 benchmark), with the same failure and timeout handling on exit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -17,13 +22,13 @@ import socket
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["RankFailed", "free_port", "run"]
+__all__ = ["RankFailed", "beside", "free_port", "run"]
 
 
 class RankFailed(RuntimeError):
@@ -37,11 +42,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, timeout: float, out: str, backend: str,
-            fn: Callable[..., Any], args: tuple) -> None:
-    torch.set_num_threads(1)  # N ranks share this machine's cores
+def _init(backend: str, port: int, rank: int, world: int, timeout: float) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout))
+
+
+def _worker(index: int, first: int, world: int, port: int, timeout: float, out: str,
+            backend: str, fn: Callable[..., Any], args: tuple) -> None:
+    rank = first + index  # run: ranks 0..N-1; beside: 1..N-1, the caller being 0
+    torch.set_num_threads(1)  # N ranks share this machine's cores
+    _init(backend, port, rank, world, timeout)
     try:
         torch.save(fn(rank, world, *args), Path(out) / f"rank{rank}.pt")
     except BaseException:
@@ -52,11 +62,11 @@ def _worker(rank: int, world: int, port: int, timeout: float, out: str, backend:
         dist.destroy_process_group()
 
 
-def _failures(context: Any, world_size: int, out: str) -> str:
+def _failures(context: Any, first: int, world_size: int, out: str) -> str:
     """Every rank's traceback, the first to fail first: when one rank dies, the others fail
     too (a collective loses its peer), and the root cause is the earliest."""
     failed = []
-    for rank, path in enumerate(context.error_files):
+    for rank, path in enumerate(context.error_files, start=first):
         if os.path.exists(path) and os.path.getsize(path):
             marker = Path(out) / f"rank{rank}.failed"
             when = int(marker.read_text()) if marker.exists() else time.time_ns()
@@ -74,6 +84,33 @@ def _traceback(raw: bytes) -> str:
         return raw.decode(errors="replace")
 
 
+def _spawn(first: int, world_size: int, timeout: float, out: str, backend: str,
+           fn: Callable[..., Any], args: tuple, port: int) -> Any:
+    return mp.start_processes(
+        _worker, args=(first, world_size, port, timeout, out, backend, fn, args),
+        nprocs=world_size - first, join=False, start_method="spawn")
+
+
+def _join(context: Any, first: int, world_size: int, timeout: float, out: str) -> None:
+    """Wait for the spawned ranks; a failed one raises RankFailed, a late one TimeoutError.
+    Whatever happens, no process outlives this call."""
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{world_size} ranks did not finish in {timeout:g} s")
+    except mp.ProcessRaisedException:
+        raise RankFailed(_failures(context, first, world_size, out)) from None
+    except mp.ProcessExitedException as e:
+        raise RankFailed(f"rank {first + e.error_index} of {world_size} exited with code "
+                         f"{e.exit_code}") from None
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
 def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
         backend: str = "gloo") -> list:
     """``[fn(rank, world_size, *args) for rank in ...]``, each rank in its own process
@@ -81,23 +118,30 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 12
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     with tempfile.TemporaryDirectory() as out:
-        context = mp.start_processes(
-            _worker, args=(world_size, free_port(), timeout, out, backend, fn, args),
-            nprocs=world_size, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        try:
-            while not context.join(timeout=0.5):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{world_size} ranks did not finish in {timeout:g} s")
-        except mp.ProcessRaisedException:
-            raise RankFailed(_failures(context, world_size, out)) from None
-        except mp.ProcessExitedException as e:
-            raise RankFailed(f"rank {e.error_index} of {world_size} exited with code "
-                             f"{e.exit_code}") from None
-        finally:
-            for p in context.processes:
-                if p.is_alive():
-                    p.kill()
-                p.join()
+        context = _spawn(0, world_size, timeout, out, backend, fn, args, free_port())
+        _join(context, 0, world_size, timeout, out)
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False)
                 for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def beside(fn: Callable[..., Any], world_size: int, *args: Any,
+           timeout: float = 120.0) -> Iterator[None]:
+    """Within the block this process is rank 0 of a gloo group of ``world_size`` ranks; the
+    others run ``fn(rank, world_size, *args)`` in spawned processes. On exit the group is
+    destroyed and the ranks joined (``RankFailed``, ``TimeoutError`` as for ``run``)."""
+    if world_size < 2:
+        raise ValueError(f"world_size must be >= 2 (rank 0 is this process), got {world_size}")
+    if dist.is_initialized():
+        raise ValueError("this process is already in a process group")
+    port = free_port()
+    with tempfile.TemporaryDirectory() as out:
+        context = _spawn(1, world_size, timeout, out, "gloo", fn, args, port)
+        try:
+            _init("gloo", port, 0, world_size, timeout)
+            try:
+                yield
+            finally:
+                dist.destroy_process_group()
+        finally:
+            _join(context, 1, world_size, timeout, out)

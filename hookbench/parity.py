@@ -104,16 +104,18 @@ def training(
     strategy: str,
     *,
     accumulation: int = 1,
+    device: str | torch.device = "cpu",
 ) -> Iterator[Training]:
-    """A model of ``spec`` set up to train with ``strategy``; hooks are removed on exit."""
+    """A model of ``spec`` on ``device`` set up to train with ``strategy``; hooks are removed
+    on exit."""
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
     if strategy == "peer" and accumulation != 1:
         raise ValueError("the peer _apply_optimizer_in_backward has no gradient accumulation")
-    model = spec.build()
+    model = spec.build().to(device)
     started = start(strategy, model, optimizer_class, kwargs, accumulation)
     try:
-        yield Training(spec, model, accumulation, started.step, started.state_of)
+        yield Training(spec, model, accumulation, started.step, started.state_of, device)
     finally:
         started.close()
 
@@ -125,11 +127,12 @@ class Training:
     accumulation: int
     _step: Callable[[], None]
     state_of: Callable[[torch.Tensor], dict]
+    device: str | torch.device = "cpu"
 
     def step(self, index: int) -> None:
         """One optimizer step: ``accumulation`` forward/backward passes on batches of ``index``."""
         for micro in range(self.accumulation):
-            x, y = self.spec.batch(index * self.accumulation + micro)
+            x, y = (t.to(self.device) for t in self.spec.batch(index * self.accumulation + micro))
             (self.spec.loss(self.model(x), y) / self.accumulation).backward()
         self._step()
 

@@ -99,10 +99,13 @@ def optimizer_in_backward_section(spec: TinySpec = REPORT_SPEC) -> Section:
                 section.add(result.ok, family, label, result.verdict())
             except RuntimeError as e:  # e.g. a hook that fires twice is refused
                 section.add(False, family, label, f"ERROR: {e}")
-        standard, _ = live_gradients(spec, cls, kw, "forloop")
-        alive, after = live_gradients(spec, cls, kw, "in_backward")
-        section.add(alive == 1 and after == 0, family, "gradients alive at once",
-                    f"{alive} in backward, {after} after (standard step: {standard})")
+        try:
+            standard, _ = live_gradients(spec, cls, kw, "forloop")
+            alive, after = live_gradients(spec, cls, kw, "in_backward")
+            section.add(alive == 1 and after == 0, family, "gradients alive at once",
+                        f"{alive} in backward, {after} after (standard step: {standard})")
+        except RuntimeError as e:
+            section.add(False, family, "gradients alive at once", f"ERROR: {e}")
     return section
 
 
@@ -179,9 +182,9 @@ def zero2_section(spec: ZooSpec, backend: str, standard: MemoryResult | None,
     return section
 
 
-def render(sections: list[Section]) -> str:
+def render(sections: list[Section], title: str = "hookbench report") -> str:
     lines = [
-        f"hookbench report: torch {torch.__version__}, "
+        f"{title}: torch {torch.__version__}, "
         f"CUDA {torch.cuda.get_device_name() if torch.cuda.is_available() else 'not available'}"
         f", Python {platform.python_version()}",
     ]

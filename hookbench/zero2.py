@@ -374,11 +374,53 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                 snapshots.append({n: p.detach().cpu().clone()
                                   for n, p in model.named_parameters()})
             result["full_state"] = zero.full_state_dict()
-        except RuntimeError as e:
+        except Exception as e:  # noqa: BLE001 - under a fault anything may break; say what
             if fault is None:
                 raise
-            result["error"] = str(e)
+            result["error"] = f"{type(e).__name__}: {e}"
     return result
+
+
+class Lockstep:
+    """ZeRO-2 training led by rank 0, to time a step from one process: before each step rank
+    0 broadcasts whether there is one, and the other ranks (``follow``) take as many as it
+    asks for. Every step trains on the same global batch ``spec.batch(0)``."""
+
+    def __init__(self, spec: Any, optimizer_class: type, kwargs: dict, bucket_numel: int):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.spec, self.model = spec, spec.build()
+        self.batch = _local(spec, 0, rank, world, "cpu")
+        self.zero = Zero2(self.model, optimizer_class, bucket_numel=bucket_numel, **kwargs)
+
+    def step(self, go: bool = True) -> bool:
+        flag = torch.tensor([int(go)])
+        dist.broadcast(flag, src=0)
+        if not flag.item():
+            return False
+        x, y = self.batch
+        self.spec.loss(self.model(x), y).backward()
+        self.zero.step()
+        self.zero.zero_grad()
+        return True
+
+    def __enter__(self) -> Lockstep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if dist.get_rank() == 0:
+                self.step(go=False)  # releases the followers
+        finally:
+            self.zero.remove()
+
+
+def follow(rank: int, world: int, *args: Any) -> int:
+    """A rank of ``Lockstep`` other than 0: steps until rank 0 stops; returns how many."""
+    steps = 0
+    with Lockstep(*args) as lock:
+        while lock.step():
+            steps += 1
+    return steps
 
 
 def fsdp2_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,

@@ -4,16 +4,21 @@ benchmark."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 from collections import OrderedDict
 
 import pytest
 import torch
-import torchvision
 from torch import nn
-from torchvision.models.feature_extraction import create_feature_extractor
+
+torchvision = pytest.importorskip("torchvision", reason="activation capture is checked on "
+                                  "torchvision's models (not installed: tox -e torch213)")
+from torchvision.models.feature_extraction import create_feature_extractor  # noqa: E402
 
 from hookbench.activation_capture import STATS, ActivationCapture, flatten, statistics
+from hookbench.memory import StorageTracker
 
 IMAGE = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
 
@@ -274,17 +279,40 @@ def test_missing_record_names_what_exists(resnet18):
 # -- overhead --------------------------------------------------------------------------------------
 
 
+def _forward_peak(forward, device: str) -> int:
+    """Peak bytes a forward allocates beyond what was live before it (the model's parameters):
+    activations, and what the capture keeps. CPU: StorageTracker (CUDA's 512-byte rounding);
+    CUDA: the allocator's own peak."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        forward()
+        return torch.cuda.max_memory_allocated() - before
+    with StorageTracker() as tracker:
+        forward()
+    return tracker.peak
+
+
+@pytest.mark.benchmark(group="resnet18-capture")
 @pytest.mark.parametrize("mode", ["plain", "stats", "stats_rms_mean_abs", "tensors"])
-def test_benchmark_capture_overhead(benchmark, resnet18, mode):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_benchmark_capture_overhead(benchmark, resnet18, mode, device):
     # ResNet-18 forward, batch 1 at 224x224, every module captured: all statistics, the two a
-    # coordinate check needs, or full tensors. Each mode's time over "plain" is its overhead.
-    x = IMAGE[:1]
+    # coordinate check needs, or full tensors. Each mode's time over "plain" is its overhead
+    # (conftest.py prints the ratios).
+    model, x = copy.deepcopy(resnet18).to(device), IMAGE[:1].to(device)
     stats = {"stats": True, "stats_rms_mean_abs": ("rms", "mean_abs")}.get(mode, False)
-    benchmark.extra_info["mode"] = mode
-    with torch.no_grad():
+    benchmark.extra_info.update(mode=mode, device=device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    with torch.no_grad(), contextlib.ExitStack() as stack:
         if mode == "plain":
-            benchmark(resnet18, x)
+            forward = lambda: (model(x), sync())  # noqa: E731
         else:
-            with ActivationCapture(resnet18, stats=stats) as cap:
-                benchmark(lambda: (cap.clear(), resnet18(x)))
-            assert len(cap.records) == 75
+            cap = stack.enter_context(ActivationCapture(model, stats=stats))
+            # Statistics are read once per forward (one sync), as a coordinate check does.
+            forward = lambda: (cap.clear(), model(x), cap.table() if stats else None,  # noqa: E731
+                               sync())
+        benchmark.extra_info["peak_bytes"] = _forward_peak(forward, device)
+        benchmark(forward)
+        assert mode == "plain" or len(cap.records) == 75

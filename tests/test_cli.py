@@ -69,6 +69,7 @@ def test_console_script_is_installed():
     assert proc.returncode == 0 and "report" in proc.stdout
 
 
+@pytest.mark.torchvision
 def test_capture_prints_a_per_layer_table(capsys):
     assert main(["capture", "--model", "resnet18", "--include", "layer1*", "--stats"]) == 0
     out = capsys.readouterr().out
@@ -77,6 +78,7 @@ def test_capture_prints_a_per_layer_table(capsys):
     assert [r[1] for r in rows] == ["0", "1"]  # the block's ReLU, called twice
 
 
+@pytest.mark.torchvision
 def test_capture_names_close_matches_for_a_typo(capsys):
     assert main(["capture", "--include", "layr1"]) == 2
     assert "did you mean ['layer1'" in capsys.readouterr().err

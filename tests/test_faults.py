@@ -2,7 +2,9 @@
 
 Each fault of hookbench.faults is injected and the suite's own checks must catch it: the hook
 contract, the parity of optimizer-in-backward with a standard step, the live-gradient count,
-and, end to end, a pytest run of the mechanism's test file with the fault injected.
+and, end to end, a pytest run of the mechanism's test file with the fault injected. The
+collective faults are caught in test_zero2.py; the whole catalogue against the upgrade gate in
+test_gate.py.
 """
 
 import subprocess
@@ -14,7 +16,7 @@ import torch
 
 from hookbench import hook_contract
 from hookbench.faults import FAULTS, HOOK_FAULTS, inject
-from hookbench.parity import FAMILIES, compare, live_gradients, trajectory
+from hookbench.parity import FAMILIES, compare, live_gradients, tolerance, trajectory
 from hookbench.zoo import TinySpec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,6 +27,7 @@ CAUGHT_BY_CONTRACT = {
     "stops_after_first_backward": {"retain_graph_second_backward"},
     "fires_before_accumulation": {"sees_accumulated_grad", "firing_order", "free_grad_in_hook"},
     "keeps_gradients_alive": {"free_grad_in_hook"},
+    "fires_late": {"firing_order"},
 }
 
 
@@ -61,6 +64,27 @@ def test_optimizer_in_backward_checks_catch(fault, family):
             assert "fired twice" in str(e)
             diverged = kept_alive = True
     assert diverged or kept_alive, f"{fault} went unnoticed"
+
+
+def test_removal_that_does_nothing_is_caught():
+    # The one check written for it: the others would leave their hooks on modules this test's
+    # leak guard watches (which is a second way the suite catches this fault).
+    with inject("removal_does_nothing"), pytest.raises(hook_contract.ContractViolation,
+                                                       match="fired 2 times across a removal"):
+        hook_contract.removal()
+
+
+def test_changed_optimizer_arithmetic_is_invisible_to_parity_but_not_to_the_baseline():
+    # Both sides of a parity check step through the same changed Adam, so they still agree
+    # bit for bit; only a stored trajectory shows the change (the gate's numerics section).
+    cls, kw = FAMILIES["adam"]
+    spec = TinySpec(depth=3, tied=True)
+    stored = trajectory(spec, cls, kw, "forloop", steps=3)
+    with inject("optimizer_arithmetic_changed"):
+        standard = trajectory(spec, cls, kw, "forloop", steps=3)
+        assert compare(trajectory(spec, cls, kw, "in_backward", steps=3), standard).bit_exact
+    result = compare(standard, stored, tolerance("foreach", torch.float32))
+    assert not result.ok, result.verdict()
 
 
 def test_inject_restores_pytorch_even_when_the_block_raises():

@@ -7,7 +7,8 @@ import copy
 
 import pytest
 import torch
-from hypothesis import assume, given, strategies as st
+from hypothesis import assume, given
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -486,17 +487,23 @@ def test_activation_checkpointing(reentrant):
 # -- speed ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.benchmark(group="adam-step")
 @pytest.mark.parametrize(
     "strategy", ["forloop", "foreach", "in_backward", "in_backward_grouped_foreach"])
-def test_benchmark_step_time(benchmark, strategy):
-    # A 12-layer MLP of width 256 (~0.8M parameters): one training step per round.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_benchmark_step_time(benchmark, strategy, device):
+    # A 12-layer MLP of width 256 (~0.8M parameters): one training step per round, the same
+    # number of rounds for every strategy. The step's cost drifts as Adam's state evolves, so
+    # equal step counts keep the strategies comparable (conftest.py prints their ratios).
     spec = TinySpec(depth=12, width=256, in_features=256, batch_size=32)
     cls, kw = FAMILIES["adam"]
-    benchmark.extra_info["strategy"] = strategy
-    # The step's peak memory, fake backend (exact, as CUDA's allocator would count it), beside
-    # its time in the stored run.
-    benchmark.extra_info["peak_bytes"] = measure(spec, strategy, optimizer_class=cls,
-                                                 optimizer_kwargs=kw).peak
-    with training(spec, cls, kw, strategy) as run:
+    benchmark.extra_info.update(strategy=strategy, device=device)
+    # The step's peak memory beside its time in the stored run: on the CPU the fake backend's
+    # (exact, as CUDA's allocator would count it), on a GPU max_memory_allocated.
+    benchmark.extra_info["peak_bytes"] = measure(
+        spec, strategy, optimizer_class=cls, optimizer_kwargs=kw,
+        backend="fake" if device == "cpu" else "cuda").peak
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    with training(spec, cls, kw, strategy, device=device) as run:
         run.step(0)  # Adam creates its state lazily: time the steady state
-        benchmark(run.step, 1)
+        benchmark.pedantic(lambda: (run.step(1), sync()), rounds=100, warmup_rounds=5)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from hookbench import launch, zero2
 from hookbench.memory import measure
-from hookbench.parity import compare, parameters_only, trajectory
+from hookbench.parity import FAMILIES, compare, parameters_only, trajectory
 from hookbench.zoo import TinySpec, ZooSpec
 
 pytestmark = pytest.mark.distributed
@@ -182,6 +182,7 @@ def test_same_parameters_as_fsdp2(runs):
 BUCKET = 2**22  # elements: 16 MiB of fp32 gradients
 
 
+@pytest.mark.torchvision
 @pytest.mark.parametrize("world", [2, 64])
 def test_vit_l_memory_per_rank_follows_the_zero_formula(world):
     # Rank 0 of N simulated in this process: fake tensors and a fake process group.
@@ -265,6 +266,38 @@ def test_a_hanging_run_is_killed_at_its_timeout():
         launch.run(_hang, 2, timeout=3)
 
 
+def test_ranks_beside_this_process_fail_it_when_one_raises():
+    with pytest.raises(launch.RankFailed, match="^rank 1 of 2 failed first:(.|\\n)*rank 1 broke"):
+        with launch.beside(_raise_on_rank_1, 2, timeout=60):
+            dist.barrier()  # rank 1 is gone: this fails (or times out), and the exit says why
+    assert not dist.is_initialized()
+
+
+# -- speed ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.benchmark(group="adam-step")
+def test_benchmark_zero2_step(benchmark):
+    # The step benchmark's MLP (test_optimizer_in_backward.py) on 2 gloo ranks of one thread
+    # each, 16 of the 32 samples per rank, 64K-element buckets: one ZeRO-2 step per round,
+    # timed on rank 0, including the 1-element broadcast that tells rank 1 to step too.
+    spec = TinySpec(depth=12, width=256, in_features=256, batch_size=32)
+    cls, kw = FAMILIES["adam"]
+    args = (spec, cls, {**kw, "foreach": False}, 2**16)
+    benchmark.extra_info.update(strategy="zero2", device="cpu", ranks=2)
+    benchmark.extra_info["peak_bytes"] = measure(
+        spec, "zero2", world_size=2, optimizer_class=cls,
+        optimizer_kwargs={**kw, "bucket_numel": 2**16}).peak
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each spawned rank runs
+    try:
+        with launch.beside(zero2.follow, 2, *args, timeout=300), zero2.Lockstep(*args) as lock:
+            lock.step()  # Adam's state exists from here on
+            benchmark.pedantic(lock.step, rounds=100, warmup_rounds=5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 # -- GPU tier ------------------------------------------------------------------------------------
 
 
@@ -279,6 +312,7 @@ def test_parity_on_nccl():
         assert compare(rank[0]["snapshots"], ref, TOL).ok
 
 
+@pytest.mark.torchvision
 @pytest.mark.gpu
 def test_per_rank_memory_on_one_gpu():
     kw = {"lr": 1e-3, "bucket_numel": BUCKET}

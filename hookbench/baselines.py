@@ -1,0 +1,79 @@
+"""Stored baselines: what the verified torch did, recorded on purpose and read back to compare.
+
+``baselines/gate.json`` is what ``hookbench gate`` compares the installed torch with, and
+``hookbench record`` is the only thing that writes it (nothing records automatically):
+
+    recorded_with  torch, CPU capability (AVX2, AVX512, ...), Python, machine
+    hooks          each hook-contract check's outcome (null: it holds)
+    numerics       per short deterministic trajectory: a SHA-256 of every step's parameters and
+                   optimizer state, bit for bit, and the final parameters as numbers
+    memory         per model/strategy: the fake backend's peak, its breakdown by category and
+                   the most gradient bytes alive at once
+    time           ratios of step times measured on the recording machine
+
+A checksum can only match where the arithmetic is the same: the same torch kernels on the same
+CPU capability. Elsewhere (or after an upgrade that legitimately reorders a sum) the final
+parameters are compared with the suite's stated tolerance instead, and the change is reported.
+
+pytest-benchmark's own runs live beside this file in ``baselines/benchmarks``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hookbench.parity import Snapshot
+
+__all__ = ["DEFAULT", "environment", "fingerprint", "final_parameters", "load", "save"]
+
+DEFAULT = Path("baselines") / "gate.json"  # relative to the checkout, where hookbench is run
+
+
+def environment() -> dict[str, str]:
+    """What a checksum depends on, and what a reader of the baseline wants to know."""
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "python": platform.python_version(), "machine": platform.machine()}
+
+
+def fingerprint(snapshots: list[Snapshot]) -> dict[str, Any]:
+    """A trajectory as stored: the SHA-256 of every entry of every step (names, dtypes, shapes
+    and bytes) and the last step's parameters as numbers (exact: float32 round-trips through
+    JSON's float64)."""
+    digest = hashlib.sha256()
+    for snapshot in snapshots:
+        for key in sorted(snapshot):
+            t = snapshot[key].detach().cpu().contiguous()
+            digest.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
+            digest.update(bytes(t.flatten().view(torch.uint8).tolist()))
+    final = {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
+                 "values": v.flatten().tolist()}
+             for k, v in snapshots[-1].items() if "/" not in k}
+    return {"sha256": digest.hexdigest(), "final": final}
+
+
+def final_parameters(stored: dict[str, Any]) -> Snapshot:
+    """The stored last step's parameters as tensors, to compare with a tolerance."""
+    return {k: torch.tensor(v["values"], dtype=getattr(torch, v["dtype"])).reshape(v["shape"])
+            for k, v in stored["final"].items()}
+
+
+def load(path: str | Path = DEFAULT) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"no baseline at {path}: run hookbench from the checkout's root (where baselines/ "
+            f"is), pass --baseline, or record one deliberately with `hookbench record`")
+    return json.loads(path.read_text())
+
+
+def save(data: dict[str, Any], path: str | Path = DEFAULT) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    return path

@@ -1,0 +1,327 @@
+"""The PyTorch-upgrade gate: the installed torch against the stored baseline.
+
+    hookbench record      measure everything below and write baselines/gate.json (on purpose)
+    hookbench gate        measure again on the installed torch, print what changed, exit 1 when
+                          a check regressed: the CI job that blocks a PyTorch upgrade
+    hookbench selfcheck   the gate under each fault of ``hookbench.faults``: every one must be
+                          caught and the clean run must pass, or the gate proves nothing
+
+Sections (a failed row fails the gate):
+    hooks     every hook-contract check has its recorded outcome
+    parity    optimizer in backward against ``optimizer.step()``, live: bit-exact where the
+              arithmetic is identical, within the per-dtype tolerance where it is not
+    numerics  6 optimizer families x 4 strategies, 4 steps of 2 micro-batches on a tied and
+              frozen MLP: the stored checksum, or else the final parameters within tolerance
+    zero2     2 gloo ranks: parity with single-process training, the stored checksum (or the
+              tolerance), no gradient left on a parameter, every hook once per backward
+    memory    per model and strategy, the fake backend's peak, each category and the gradients
+              alive at once at most 1% above the stored bytes (on CUDA: the peak within 5%)
+    time      step-time ratios at most 50% (--time-slack) above the recorded ratio
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from hookbench import baselines, hook_contract, launch, report, zero2
+from hookbench.activation_capture import ActivationCapture
+from hookbench.faults import FAULTS, inject
+from hookbench.memory import CATEGORIES, measure
+from hookbench.parity import FAMILIES, compare, parameters_only, tolerance, training, trajectory
+from hookbench.report import Section
+from hookbench.zoo import TinySpec, ZooSpec
+
+__all__ = ["MODELS", "SECTIONS", "check", "measure_all", "record", "selfcheck"]
+
+SECTIONS = ("hooks", "parity", "numerics", "zero2", "memory", "time")
+MODELS = ("transformer", "resnet18", "vit_b_16")  # the gate's default; record adds vit_l_16
+MEMORY_STRATEGIES = ("foreach", "forloop", "in_backward", "in_backward_grouped_foreach", "zero2")
+ZERO2_WORLD, ZERO2_BUCKET = 8, 2**22  # memory: rank 0 of 8 simulated ranks, 16 MB buckets
+TRAJECTORY_STRATEGIES = ("forloop", "foreach", "in_backward", "in_backward_grouped_foreach")
+ZERO2_SPEC = TinySpec(depth=3, width=8, batch_size=6)
+ZERO2_OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "foreach": False}),
+                    "adam": (torch.optim.Adam, {"lr": 1e-2, "foreach": False})}
+# The fake backend counts bytes exactly, so any growth is real; 1% lets a new workspace of a
+# few hundred KB through and still catches one kept gradient (+15% on the transformer).
+MEMORY_SLACK = 0.01
+# The GPU tier's bound between CUDA's max_memory_allocated and the fake estimate (cuBLAS
+# workspaces, kernels' scratch space; tests/test_memory.py).
+CUDA_SLACK = 0.05
+# The same ratio, measured interleaved (``_ratio``) in separate processes on these 2 shared
+# cores, spread over 1.03-1.56x (grouped/foreach) and 1.27-1.35x (capture/plain). 50% stays
+# clear of that noise and still catches a step that doubles; on a quiet, dedicated runner pass
+# a tighter --time-slack. Fine time gating belongs to pytest-benchmark on one machine
+# (--benchmark-compare-fail).
+TIME_SLACK = 0.50
+# Targets the issue sets; reported beside each ratio, not gated (machines differ).
+TIME_TARGETS = {"in_backward_grouped_vs_foreach": 1.10, "capture_stats_vs_plain": 1.25}
+
+
+def _attempt(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A measurement, or what stopped it: a missing torchvision skips, an error is a result."""
+    try:
+        return fn()
+    except ImportError as e:
+        return {"skipped": f"{type(e).__name__}: {e}"}
+    except Exception as e:  # noqa: BLE001 - a failed row that says why, e.g. a hook that
+        return {"error": f"{type(e).__name__}: {e}"}  # fired twice, refused
+
+
+def _numerics() -> dict[str, Any]:
+    spec, steps, k = report.REPORT_SPEC, report.STEPS, report.ACCUMULATION
+    return {f"{family}/{strategy}": _attempt(lambda: baselines.fingerprint(
+                trajectory(spec, cls, kw, strategy, steps=steps, accumulation=k)))
+            for family, (cls, kw) in FAMILIES.items() for strategy in TRAJECTORY_STRATEGIES}
+
+
+def zero2_runs(faults: list[str | None]) -> dict[str | None, list]:
+    """Every rank's ZeRO-2 trajectories for each fault, from one start of 2 gloo ranks (the
+    fault is injected inside the ranks)."""
+    cases = [dict(spec=ZERO2_SPEC, optimizer_class=cls, kwargs=kw, bucket_numel=50, steps=5,
+                  fault=fault) for fault in faults for cls, kw in ZERO2_OPTIMIZERS.values()]
+    ranks = launch.run(zero2.trajectories, 2, cases, timeout=300)
+    n = len(ZERO2_OPTIMIZERS)
+    return {fault: [[rank[i * n + j] for rank in ranks] for j in range(n)]
+            for i, fault in enumerate(faults)}
+
+
+def _zero2(runs: list) -> dict[str, Any]:
+    out = {}
+    for (name, (cls, kw)), ranks in zip(ZERO2_OPTIMIZERS.items(), runs):
+        problems = [f"rank {r}: {got['error']}" for r, got in enumerate(ranks) if got["error"]]
+        if problems:
+            out[name] = {"problems": problems}
+            continue
+        for r, got in enumerate(ranks):
+            for i, after in enumerate(got["after_backward"]):
+                if after["param_grads"] or set(after["hook_calls"].values()) != {1}:
+                    problems.append(f"rank {r}, backward {i}: gradients left on "
+                                    f"{after['param_grads']}, hook calls {after['hook_calls']}")
+                    break
+            if not compare(got["snapshots"], ranks[0]["snapshots"]).bit_exact:
+                problems.append(f"rank {r} holds other parameters than rank 0")
+        reference = parameters_only(trajectory(ZERO2_SPEC, cls, kw, "forloop", steps=5))
+        parity = compare(ranks[0]["snapshots"], reference, zero2.TOLERANCE)
+        if not parity.ok:
+            problems.append(f"vs single-process training: {parity.verdict()}")
+        out[name] = {**baselines.fingerprint(ranks[0]["snapshots"]), "problems": problems}
+    return out
+
+
+def _memory(models: tuple[str, ...], device: str) -> dict[str, Any]:
+    def one(model: str, strategy: str) -> dict[str, Any]:
+        r = measure(ZooSpec(model), strategy, backend=device, world_size=ZERO2_WORLD,
+                    optimizer_kwargs={"lr": 1e-3, "bucket_numel": ZERO2_BUCKET}
+                    if strategy == "zero2" else None)
+        return {"peak": r.peak, "breakdown": r.peak_breakdown,
+                "gradients_alive_max": r.gradients_alive_max}
+
+    return {f"{m}/{s}": _attempt(lambda: one(m, s)) for m in models for s in MEMORY_STRATEGIES}
+
+
+def _ratio(slow: Callable[[], object], fast: Callable[[], object], rounds: int = 15) -> float:
+    """Time per call of ``slow`` over ``fast``, each the fastest of ``rounds`` blocks (the
+    least disturbed by the rest of the machine). The two are called equally often, in
+    alternation: a training step's cost drifts as its optimizer state evolves (seen here: 1.0x
+    to 1.3x for the same pair timed with independent call counts), and must drift alike."""
+    from torch.utils.benchmark import Timer
+
+    threads = torch.get_num_threads()
+    slow_timer, fast_timer = (Timer("fn()", globals={"fn": fn}, num_threads=threads)
+                              for fn in (slow, fast))
+    number = max(1, round(0.1 / fast_timer.timeit(1).median))  # blocks of ~0.1 s
+    times = [(slow_timer.timeit(number).median, fast_timer.timeit(number).median)
+             for _ in range(rounds)]
+    return min(s for s, _ in times) / min(f for _, f in times)
+
+
+def _time() -> dict[str, Any]:
+    # The benchmarks' workloads (tests/test_optimizer_in_backward.py, test_activation_capture.py).
+    spec = TinySpec(depth=12, width=256, in_features=256, batch_size=32)
+    cls, kw = FAMILIES["adam"]
+    out: dict[str, Any] = {}
+    with training(spec, cls, kw, "in_backward_grouped_foreach") as grouped, \
+            training(spec, cls, kw, "foreach") as standard:
+        grouped.step(0), standard.step(0)  # Adam's state exists from here on: steady state
+        out["in_backward_grouped_vs_foreach"] = _ratio(lambda: grouped.step(1),
+                                                       lambda: standard.step(1))
+
+    def capture() -> float:
+        # Two copies: hooks on the captured one must not slow the plain forward down.
+        spec = ZooSpec("resnet18")
+        captured, plain, (x, _) = spec.build().eval(), spec.build().eval(), spec.batch(0)
+        with torch.no_grad(), ActivationCapture(captured, stats=("rms", "mean_abs")) as cap:
+            return _ratio(lambda: (cap.clear(), captured(x), cap.table()), lambda: plain(x))
+
+    out["capture_stats_vs_plain"] = _attempt(lambda: {"ratio": capture()}).get("ratio")
+    return out
+
+
+def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = MODELS,
+                fault: str | None = None, device: str = "fake",
+                zero2_ranks: list | None = None) -> dict[str, Any]:
+    """Everything the baseline holds, measured on the installed torch (under ``fault``).
+    ``zero2_ranks``: the ranks' results if already run (``selfcheck`` runs all at once)."""
+    if "zero2" in sections and zero2_ranks is None:
+        zero2_ranks = zero2_runs([fault])[fault]
+    out: dict[str, Any] = {"recorded_with": baselines.environment()}
+    with inject(fault):
+        if "hooks" in sections:
+            out["hooks"] = hook_contract.run_all()
+        if "numerics" in sections:
+            out["numerics"] = _numerics()
+        if "zero2" in sections:
+            out["zero2"] = _zero2(zero2_ranks)
+        if "memory" in sections:
+            out["memory"] = _memory(models, device)
+        if "time" in sections:
+            out["time"] = _time()
+    return out
+
+
+def record(models: tuple[str, ...] = MODELS + ("vit_l_16",),
+           sections: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
+    """The baseline of the installed torch (``hookbench record`` saves it); parity is live
+    only: it compares two strategies now and stores nothing."""
+    return measure_all(tuple(s for s in sections if s != "parity"), models)
+
+
+# -- comparing -------------------------------------------------------------------------------
+
+
+def _hooks(base: dict, now: dict) -> Section:
+    section = Section("Hook behaviour (hook contract) against the baseline",
+                      ("check", "recorded", "verdict"))
+    for name, error in now.items():
+        recorded = base.get(name, "not recorded")
+        same = (error is None) == (recorded is None)
+        section.add(same, name, "holds" if recorded is None else "violated",
+                    ("holds" if error is None else f"VIOLATED: {error}")
+                    + ("" if same else " (changed; re-record only if intended)"))
+    return section
+
+
+def _trajectory_verdict(base: dict | None, now: dict, tol, machine_note: str) -> tuple[bool, str]:
+    if "error" in now or now.get("problems"):
+        return False, "; ".join(now.get("problems", [])) or now["error"]
+    if base is None or "sha256" not in base:
+        return False, "no baseline recorded; record with `hookbench record`"
+    if base["sha256"] == now["sha256"]:
+        return True, f"identical (sha256 {now['sha256'][:12]})"
+    result = compare([baselines.final_parameters(now)], [baselines.final_parameters(base)], tol)
+    return result.ok, f"CHANGED bits{machine_note}; final parameters {result.verdict()}"
+
+
+def _numerics_section(title: str, base: dict, now: dict, tol, machine_note: str) -> Section:
+    section = Section(title, ("trajectory", "verdict"))
+    for key, value in now.items():
+        ok, verdict = _trajectory_verdict(base.get(key), value, tol, machine_note)
+        section.add(ok, key, verdict)
+    return section
+
+
+def _amount(n: int) -> str:
+    return f"{n / 1e6:,.3f} MB"
+
+
+def _memory_section(base: dict, now: dict, device: str) -> Section:
+    slack = MEMORY_SLACK if device == "fake" else CUDA_SLACK
+    section = Section(
+        f"Peak memory per model and strategy (Adam, batch 1, backend {device}) against the "
+        f"baseline; fails {slack:.0%} above it", ("model/strategy", "recorded", "now", "verdict"))
+    for key, value in now.items():
+        rec = base.get(key)
+        if "skipped" in value or "error" in value:
+            section.add("skipped" in value, key, "", "", value.get("skipped") or value["error"])
+            continue
+        if rec is None:
+            section.add(False, key, "", _amount(value["peak"]), "no baseline recorded")
+            continue
+        pairs = [("peak", rec["peak"], value["peak"])]
+        if device == "fake":  # the CUDA backend's categories come from the same tracker
+            pairs += [(c, rec["breakdown"][c], value["breakdown"][c]) for c in CATEGORIES]
+            pairs.append(("gradients alive", rec["gradients_alive_max"],
+                          value["gradients_alive_max"]))
+        over = [f"{what} {_amount(n)} > recorded {_amount(r)} ({n / max(r, 1) - 1:+.1%})"
+                for what, r, n in pairs if n > r * (1 + slack) + (0 if r else 512)]
+        if device != "fake" and value["peak"] < rec["peak"] * (1 - slack):
+            over.append(f"peak {_amount(value['peak'])} < fake estimate {_amount(rec['peak'])}")
+        changed = [what for what, r, n in pairs if n != r]
+        verdict = ("EXCEEDED: " + "; ".join(over) if over else
+                   f"changed: {', '.join(changed)}" if changed else "identical")
+        section.add(not over, key, _amount(rec["peak"]), _amount(value["peak"]), verdict)
+    return section
+
+
+def _time_section(base: dict, now: dict, slack: float) -> Section:
+    section = Section(f"Step-time ratios against the baseline; fails {slack:.0%} above it",
+                      ("ratio", "recorded", "now", "verdict"))
+    for key, ratio in now.items():
+        rec = base.get(key)
+        if ratio is None or rec is None:
+            section.add(ratio is None, key, "", "", "not measured (needs torchvision)"
+                        if ratio is None else "no baseline recorded")
+            continue
+        ok = ratio <= rec * (1 + slack)
+        target = TIME_TARGETS[key]
+        section.add(ok, key, f"{rec:.2f}x", f"{ratio:.2f}x",
+                    ("holds" if ok else f"SLOWER: {ratio / rec - 1:+.0%} over the recorded ratio")
+                    + f"; target {target:.2f}x {'met' if ratio <= target else 'missed'}")
+    return section
+
+
+def check(base: dict[str, Any], now: dict[str, Any], parity: bool = True,
+          time_slack: float = TIME_SLACK) -> dict[str, Section]:
+    """The gate's verdict by section: ``now`` (``measure_all``) against the baseline ``base``."""
+    out = {}
+    if "hooks" in now:
+        out["hooks"] = _hooks(base.get("hooks", {}), now["hooks"])
+    if parity:
+        out["parity"] = report.optimizer_in_backward_section()
+    was, here = base["recorded_with"]["cpu_capability"], now["recorded_with"]["cpu_capability"]
+    note = f" (recorded on {was}, this CPU runs {here})" if was != here else ""
+    if "numerics" in now:
+        out["numerics"] = _numerics_section(
+            "Training trajectories against their stored checksums", base.get("numerics", {}),
+            now["numerics"], tolerance("foreach", report.REPORT_SPEC.dtype), note)
+    if "zero2" in now:
+        out["zero2"] = _numerics_section(
+            "ZeRO-2 on 2 gloo ranks against single-process training and the stored checksum",
+            base.get("zero2", {}), now["zero2"], zero2.TOLERANCE, note)
+    if "memory" in now:
+        out["memory"] = _memory_section(base.get("memory", {}), now["memory"],
+                                        now.get("device", "fake"))
+    if "time" in now:
+        out["time"] = _time_section(base.get("time", {}), now["time"], time_slack)
+    return out
+
+
+def gate(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
+         models: tuple[str, ...] = MODELS, fault: str | None = None, device: str = "fake",
+         zero2_ranks: list | None = None, time_slack: float = TIME_SLACK
+         ) -> dict[str, Section]:
+    """Measure on the installed torch and judge against ``base``, by section."""
+    now = measure_all(sections, models, fault, device, zero2_ranks)
+    now["device"] = device
+    with inject(fault):
+        return check(base, now, parity="parity" in sections, time_slack=time_slack)
+
+
+def selfcheck(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
+              models: tuple[str, ...] = ("transformer",),
+              progress: Callable[[str], None] = lambda message: None
+              ) -> dict[str | None, dict[str, list[str]]]:
+    """The gate, clean and under every fault: for each, the failed rows by section."""
+    sections = tuple(s for s in sections if s != "time")  # no fault here targets speed
+    runs = [None, *FAULTS]
+    progress("starting 2 gloo ranks for every fault's ZeRO-2 run ...")
+    ranks = zero2_runs(runs) if "zero2" in sections else dict.fromkeys(runs)
+    caught = {}
+    for fault in runs:
+        progress(f"gate under {fault or 'no fault'} ...")
+        result = gate(base, sections, models, fault, zero2_ranks=ranks[fault])
+        caught[fault] = {name: list(dict.fromkeys(cells[0] for cells, ok in s.rows if not ok))
+                         for name, s in result.items() if not s.ok}
+    return caught

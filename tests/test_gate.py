@@ -1,0 +1,186 @@
+"""The upgrade gate: the installed torch holds the committed baseline (baselines/gate.json), each
+check fails and names both numbers when the baseline is exceeded, recording is explicit, and
+``hookbench selfcheck`` catches the whole fault catalogue."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hookbench import baselines, gate
+from hookbench.cli import main
+from hookbench.faults import FAULTS, inject
+from hookbench.report import render
+
+ROOT = Path(__file__).resolve().parent.parent
+BASELINE = ROOT / "baselines" / "gate.json"
+
+
+@pytest.fixture(scope="module")
+def base():
+    return baselines.load(BASELINE)
+
+
+def _judge(base, now):
+    now = {"recorded_with": baselines.environment(), **now}
+    return gate.check(base, now, parity=False)
+
+
+# -- the committed baseline holds on the installed torch ------------------------------------------
+
+
+def test_hook_behaviour_and_trajectories_match_the_baseline(base):
+    sections = _judge(base, gate.measure_all(("hooks", "numerics")))
+    assert all(s.ok for s in sections.values()), render(list(sections.values()))
+    if base["recorded_with"] == baselines.environment():
+        # Same torch, same CPU kernels: the arithmetic is identical, so bit for bit.
+        assert all(cells[-1].startswith("identical") for cells, _ in sections["numerics"].rows)
+
+
+@pytest.mark.parametrize("model", [m if m == "transformer" else
+                                   pytest.param(m, marks=pytest.mark.torchvision)
+                                   for m in gate.MODELS])
+def test_peak_memory_by_category_within_1_percent_of_the_baseline(base, model):
+    section = _judge(base, {"memory": gate._memory((model,), "fake")})["memory"]
+    assert section.ok, render([section])
+
+
+# -- each check fails, naming both numbers --------------------------------------------------------
+
+
+def test_a_kept_gradient_exceeds_the_memory_baseline_naming_both_numbers(base):
+    with inject("keeps_gradients_alive"):
+        now = gate._memory(("transformer",), "fake")
+    section = _judge(base, {"memory": now})["memory"]
+    failed = {cells[0]: cells[-1] for cells, ok in section.rows if not ok}
+    assert "transformer/in_backward" in failed and "transformer/foreach" not in failed
+    recorded = base["memory"]["transformer/in_backward"]["peak"]
+    peak = now["transformer/in_backward"]["peak"]
+    # Both numbers, as the report prints them, and by how much.
+    assert f"peak {peak / 1e6:,.3f} MB > recorded {recorded / 1e6:,.3f} MB" in failed[
+        "transformer/in_backward"]
+
+
+def test_changed_optimizer_arithmetic_fails_the_trajectories_it_touches(base):
+    with inject("optimizer_arithmetic_changed"):
+        now = gate._numerics()
+    rows = {cells[0]: (ok, cells[-1]) for cells, ok in _judge(base, {"numerics": now})[
+        "numerics"].rows}
+    assert {k for k, (ok, _) in rows.items() if not ok} == {
+        f"{family}/{strategy}" for family in ("adam", "adam_amsgrad", "adamw")
+        for strategy in gate.TRAJECTORY_STRATEGIES}
+    assert "x of tolerance" in rows["adam/forloop"][1]
+
+
+def test_a_last_bit_change_is_reported_and_passes_a_larger_one_fails(base):
+    key = "sgd/forloop"
+    stored = base["numerics"][key]
+    name = next(iter(stored["final"]))
+    for nudge, passes in ((1, True), (10_000, False)):
+        now = json.loads(json.dumps(stored))
+        value = torch.tensor(now["final"][name]["values"][0], dtype=torch.float32)
+        for _ in range(nudge):  # nudge ulps up
+            value = torch.nextafter(value, torch.tensor(float("inf")))
+        now["final"][name]["values"][0] = value.item()
+        now["sha256"] = "0" * 64
+        (cells, ok), = _judge(base, {"numerics": {key: now}})["numerics"].rows
+        assert ok is passes, cells
+        assert cells[-1].startswith("CHANGED bits")
+
+
+def test_a_changed_hook_outcome_fails(base):
+    now = dict.fromkeys(base["hooks"]) | {"removal": "the hook fired 2 times across a removal"}
+    section = _judge(base, {"hooks": now})["hooks"]
+    assert [cells[0] for cells, ok in section.rows if not ok] == ["removal"]
+
+
+def test_time_ratio_fails_only_past_its_slack(base):
+    recorded = base["time"]["in_backward_grouped_vs_foreach"]
+    key = "in_backward_grouped_vs_foreach"
+    within = _judge(base, {"time": {key: recorded * (1 + gate.TIME_SLACK) * 0.99}})["time"]
+    beyond = _judge(base, {"time": {key: recorded * (1 + gate.TIME_SLACK) * 1.01}})["time"]
+    assert within.ok and not beyond.ok
+    assert "SLOWER" in beyond.rows[0][0][-1] and f"{recorded:.2f}x" in beyond.rows[0][0]
+
+
+def test_missing_baseline_entries_fail(base):
+    sections = _judge({"recorded_with": base["recorded_with"]},
+                      {"memory": {"transformer/foreach": base["memory"]["transformer/foreach"]},
+                       "numerics": {"sgd/forloop": base["numerics"]["sgd/forloop"]}})
+    assert not sections["memory"].ok and not sections["numerics"].ok
+    assert "no baseline recorded" in sections["memory"].rows[0][0][-1]
+
+
+# -- recording is explicit; the command line -------------------------------------------------------
+
+
+def test_gate_never_writes_the_baseline_and_record_writes_where_told(tmp_path, capsys):
+    before = BASELINE.read_bytes()
+    assert main(["gate", "--baseline", str(BASELINE), "--sections", "hooks"]) == 0
+    assert "GATE PASSED" in capsys.readouterr().out
+    assert BASELINE.read_bytes() == before
+    fresh = tmp_path / "gate.json"
+    assert main(["record", "--baseline", str(fresh), "--sections", "hooks,numerics"]) == 0
+    assert set(json.loads(fresh.read_text())) == {"recorded_with", "hooks", "numerics"}
+    assert main(["gate", "--baseline", str(fresh), "--sections", "hooks,numerics"]) == 0
+
+
+def test_gate_exits_1_on_a_regression(capsys):
+    assert main(["gate", "--baseline", str(BASELINE), "--sections", "numerics",
+                 "--fault", "optimizer_arithmetic_changed"]) == 1
+    assert "GATE FAILED in numerics" in capsys.readouterr().out
+
+
+def test_gate_without_a_baseline_says_how_to_record_one(tmp_path, capsys):
+    assert main(["gate", "--baseline", str(tmp_path / "none.json")]) == 2
+    assert "hookbench record" in capsys.readouterr().err
+
+
+def test_unknown_section_is_refused(capsys):
+    assert main(["gate", "--baseline", str(BASELINE), "--sections", "hooks,speed"]) == 2
+    assert "unknown gate sections ['speed']" in capsys.readouterr().err
+
+
+# -- the gate's power ------------------------------------------------------------------------------
+
+# Which sections must catch each fault. Parity is absent from optimizer_arithmetic_changed on
+# purpose: both sides change alike, and only the stored baseline sees it.
+CAUGHT_BY = {
+    "fires_twice": {"hooks", "parity", "numerics", "zero2"},
+    "stops_after_first_backward": {"hooks", "parity", "numerics", "zero2"},
+    "fires_before_accumulation": {"hooks", "numerics", "zero2", "memory"},
+    "keeps_gradients_alive": {"hooks", "memory"},
+    "fires_late": {"hooks", "memory"},
+    "removal_does_nothing": {"hooks"},
+    "optimizer_arithmetic_changed": {"numerics", "zero2"},
+    "collective_wrong_slice": {"zero2"},
+    "collective_low_precision": {"zero2"},
+}
+
+
+def test_the_expectations_cover_the_catalogue():
+    assert set(CAUGHT_BY) == set(FAULTS)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_selfcheck_catches_every_fault_and_passes_clean(tmp_path):
+    # In a subprocess: a fault that leaves hooks registered (removal_does_nothing) must not
+    # meet this process's leak guard, and the command itself is what users run. ~1 min.
+    out = tmp_path / "selfcheck.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hookbench.cli", "selfcheck", "--baseline", str(BASELINE),
+         "--models", "transformer", "--json", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    caught = json.loads(out.read_text())
+    assert caught.pop("None") == {}
+    for fault, sections in CAUGHT_BY.items():
+        assert sections <= set(caught[fault]), (fault, caught[fault])
+    assert "parity" not in caught["optimizer_arithmetic_changed"]
+    assert f"{len(FAULTS)} of {len(FAULTS)} faults caught; the clean run passes" in proc.stdout
