@@ -165,9 +165,11 @@ def _gate(args: argparse.Namespace) -> int:
                        args.fault, device, time_slack=args.time_slack)
     print(report.render(list(result.values()), title="hookbench gate"))
     failed = [name for name, s in result.items() if not s.ok]
+    skipped = sum(cells[-1].startswith("SKIPPED") for s in result.values() for cells, _ in s.rows)
     print(f"baseline: torch {base['recorded_with']['torch']} on "
           f"{base['recorded_with']['cpu_capability']}; GATE "
-          + (f"FAILED in {', '.join(failed)}" if failed else "PASSED"))
+          + (f"FAILED in {', '.join(failed)}" if failed else "PASSED")
+          + (f" ({skipped} rows SKIPPED, not compared)" if skipped else ""))
     return 1 if failed else 0
 
 

@@ -234,7 +234,8 @@ def _memory_section(base: dict, now: dict, device: str) -> Section:
     for key, value in now.items():
         rec = base.get(key)
         if "skipped" in value or "error" in value:
-            section.add("skipped" in value, key, "", "", value.get("skipped") or value["error"])
+            section.add("skipped" in value, key, "", "", f"SKIPPED: {value['skipped']}"
+                        if "skipped" in value else f"ERROR: {value['error']}")
             continue
         if rec is None:
             section.add(False, key, "", _amount(value["peak"]), "no baseline recorded")
@@ -261,7 +262,7 @@ def _time_section(base: dict, now: dict, slack: float) -> Section:
     for key, ratio in now.items():
         rec = base.get(key)
         if ratio is None or rec is None:
-            section.add(ratio is None, key, "", "", "not measured (needs torchvision)"
+            section.add(ratio is None, key, "", "", "SKIPPED: needs torchvision"
                         if ratio is None else "no baseline recorded")
             continue
         ok = ratio <= rec * (1 + slack)

@@ -47,6 +47,13 @@ def _init(backend: str, port: int, rank: int, world: int, timeout: float) -> Non
                             world_size=world, timeout=datetime.timedelta(seconds=timeout))
 
 
+def _done() -> None:
+    # Every rank is done with the group before any tears it down (rank 0 also hosts the store
+    # the others talk to). Once, in CI, rank 0 aborted at teardown without this ("terminate
+    # called without an active exception", exit code -6); synchronizing first is the usual cure.
+    dist.barrier()
+
+
 def _worker(index: int, first: int, world: int, port: int, timeout: float, out: str,
             backend: str, fn: Callable[..., Any], args: tuple) -> None:
     rank = first + index  # run: ranks 0..N-1; beside: 1..N-1, the caller being 0
@@ -54,6 +61,7 @@ def _worker(index: int, first: int, world: int, port: int, timeout: float, out: 
     _init(backend, port, rank, world, timeout)
     try:
         torch.save(fn(rank, world, *args), Path(out) / f"rank{rank}.pt")
+        _done()
     except BaseException:
         # When it failed, written before the teardown below makes the peers fail too.
         (Path(out) / f"rank{rank}.failed").write_text(str(time.time_ns()))
@@ -141,6 +149,7 @@ def beside(fn: Callable[..., Any], world_size: int, *args: Any,
             _init("gloo", port, 0, world_size, timeout)
             try:
                 yield
+                _done()
             finally:
                 dist.destroy_process_group()
         finally:
