@@ -133,20 +133,20 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 12
 
 
 @contextlib.contextmanager
-def beside(fn: Callable[..., Any], world_size: int, *args: Any,
-           timeout: float = 120.0) -> Iterator[None]:
-    """Within the block this process is rank 0 of a gloo group of ``world_size`` ranks; the
-    others run ``fn(rank, world_size, *args)`` in spawned processes. On exit the group is
-    destroyed and the ranks joined (``RankFailed``, ``TimeoutError`` as for ``run``)."""
+def beside(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+           backend: str = "gloo") -> Iterator[None]:
+    """Within the block this process is rank 0 of a gloo (or nccl) group of ``world_size``
+    ranks; the others run ``fn(rank, world_size, *args)`` in spawned processes. On exit the
+    group is destroyed and the ranks joined (``RankFailed``, ``TimeoutError`` as for ``run``)."""
     if world_size < 2:
         raise ValueError(f"world_size must be >= 2 (rank 0 is this process), got {world_size}")
     if dist.is_initialized():
         raise ValueError("this process is already in a process group")
     port = free_port()
     with tempfile.TemporaryDirectory() as out:
-        context = _spawn(1, world_size, timeout, out, "gloo", fn, args, port)
+        context = _spawn(1, world_size, timeout, out, backend, fn, args, port)
         try:
-            _init("gloo", port, 0, world_size, timeout)
+            _init(backend, port, 0, world_size, timeout)
             try:
                 yield
                 _done()

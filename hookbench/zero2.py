@@ -384,23 +384,27 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
 class Lockstep:
     """ZeRO-2 training led by rank 0, to time a step from one process: before each step rank
     0 broadcasts whether there is one, and the other ranks (``follow``) take as many as it
-    asks for. Every step trains on the same global batch ``spec.batch(0)``."""
+    asks for. Every step trains on the same global batch ``spec.batch(0)``. On nccl each rank
+    uses its own GPU, and a step returns when the GPU has finished it."""
 
     def __init__(self, spec: Any, optimizer_class: type, kwargs: dict, bucket_numel: int):
         rank, world = dist.get_rank(), dist.get_world_size()
-        self.spec, self.model = spec, spec.build()
-        self.batch = _local(spec, 0, rank, world, "cpu")
+        self.device = _device(rank)
+        self.spec, self.model = spec, spec.build().to(self.device)
+        self.batch = _local(spec, 0, rank, world, self.device)
         self.zero = Zero2(self.model, optimizer_class, bucket_numel=bucket_numel, **kwargs)
 
     def step(self, go: bool = True) -> bool:
-        flag = torch.tensor([int(go)])
+        flag = torch.tensor([int(go)], device=self.device)
         dist.broadcast(flag, src=0)
-        if not flag.item():
+        if not flag.item():  # on a GPU this waits for the broadcast, and so for the last step
             return False
         x, y = self.batch
         self.spec.loss(self.model(x), y).backward()
         self.zero.step()
         self.zero.zero_grad()
+        if self.device != "cpu":
+            torch.cuda.synchronize()
         return True
 
     def __enter__(self) -> Lockstep:

@@ -277,21 +277,25 @@ def test_ranks_beside_this_process_fail_it_when_one_raises():
 
 
 @pytest.mark.benchmark(group="adam-step")
-def test_benchmark_zero2_step(benchmark):
-    # The step benchmark's MLP (test_optimizer_in_backward.py) on 2 gloo ranks of one thread
-    # each, 16 of the 32 samples per rank, 64K-element buckets: one ZeRO-2 step per round,
-    # timed on rank 0, including the 1-element broadcast that tells rank 1 to step too.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu(count=2))])
+def test_benchmark_zero2_step(benchmark, device):
+    # The step benchmark's MLP (test_optimizer_in_backward.py) on 2 ranks (gloo with one
+    # thread each, or nccl with a GPU each), 16 of the 32 samples per rank, 64K-element
+    # buckets: one ZeRO-2 step per round, timed on rank 0, including the 1-element broadcast
+    # that tells rank 1 to step too.
     spec = TinySpec(depth=12, width=256, in_features=256, batch_size=32)
     cls, kw = FAMILIES["adam"]
     args = (spec, cls, {**kw, "foreach": False}, 2**16)
-    benchmark.extra_info.update(strategy="zero2", device="cpu", ranks=2)
+    benchmark.extra_info.update(strategy="zero2", device=device, ranks=2)
     benchmark.extra_info["peak_bytes"] = measure(
-        spec, "zero2", world_size=2, optimizer_class=cls,
-        optimizer_kwargs={**kw, "bucket_numel": 2**16}).peak
+        spec, "zero2", world_size=2, optimizer_class=cls, backend="fake" if device == "cpu"
+        else "cuda", optimizer_kwargs={**kw, "bucket_numel": 2**16}).peak
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each spawned rank runs
     try:
-        with launch.beside(zero2.follow, 2, *args, timeout=300), zero2.Lockstep(*args) as lock:
+        with launch.beside(zero2.follow, 2, *args, timeout=300,
+                           backend="gloo" if device == "cpu" else "nccl"), \
+                zero2.Lockstep(*args) as lock:
             lock.step()  # Adam's state exists from here on
             benchmark.pedantic(lock.step, rounds=100, warmup_rounds=5)
     finally:
