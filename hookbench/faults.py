@@ -48,6 +48,14 @@ def _stops_after_first_backward(original: _Register) -> _Register:
     return register
 
 
+def _never_fires(original: _Register) -> _Register:
+    # Registration succeeds and returns a working handle; the hook is never called.
+    def register(self, hook):
+        return original(self, lambda t: None)
+
+    return register
+
+
 def _fires_before_accumulation(original: _Register) -> _Register:
     # A tensor hook runs before AccumulateGrad: .grad does not yet hold this backward's gradient.
     def register(self, hook):
@@ -141,6 +149,7 @@ def _zero2_reduction() -> tuple[object, str]:
 FAULTS: dict[str, tuple[Callable[[], tuple[object, str]], Callable[[Callable], Callable]]] = {
     "fires_twice": (_hook_registration, _fires_twice),
     "stops_after_first_backward": (_hook_registration, _stops_after_first_backward),
+    "never_fires": (_hook_registration, _never_fires),
     "fires_before_accumulation": (_hook_registration, _fires_before_accumulation),
     "keeps_gradients_alive": (_hook_registration, _keeps_gradients_alive),
     "fires_late": (_hook_registration, _fires_late),

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CAUGHT_BY_CONTRACT = {
     "fires_twice": {"once_per_backward_tied", "registration_order", "retain_graph_second_backward"},
     "stops_after_first_backward": {"retain_graph_second_backward"},
+    "never_fires": {"once_per_backward_tied", "sees_accumulated_grad", "firing_order"},
     "fires_before_accumulation": {"sees_accumulated_grad", "firing_order", "free_grad_in_hook"},
     "keeps_gradients_alive": {"free_grad_in_hook"},
     "fires_late": {"firing_order"},

@@ -153,6 +153,7 @@ def test_unknown_section_is_refused(capsys):
 CAUGHT_BY = {
     "fires_twice": {"hooks", "parity", "numerics", "zero2"},
     "stops_after_first_backward": {"hooks", "parity", "numerics", "zero2"},
+    "never_fires": {"hooks", "parity", "numerics", "zero2"},
     "fires_before_accumulation": {"hooks", "numerics", "zero2", "memory"},
     "keeps_gradients_alive": {"hooks", "memory"},
     "fires_late": {"hooks", "memory"},
