@@ -3,9 +3,9 @@ and a failing rank that fails the run instead of hanging it.
 
 ``run(fn, world_size, *args)`` starts ``world_size`` processes, initializes a gloo (or nccl)
 process group on a free localhost port in each, calls ``fn(rank, world_size, *args)``, and
-returns the per-rank results. If a rank raises, the others are terminated and ``RankFailed`` names it with
-its traceback; if the whole run outlives ``timeout`` seconds, every process is killed and
-``TimeoutError`` is raised. ``fn`` and its arguments must be picklable (module-level).
+returns the per-rank results. If a rank raises, the others are terminated and ``RankFailed``
+names it with its traceback; if the whole run outlives ``timeout`` seconds, every process is
+killed and ``TimeoutError`` is raised. ``fn`` and its arguments must be picklable (module-level).
 
 ``beside(fn, world_size, *args)`` makes the calling process rank 0 and spawns the other ranks
 to run ``fn``: what the ranks do together can then be timed from the driving process (the

@@ -260,7 +260,8 @@ def _check_optimizer_class(optimizer_class: Any) -> None:
             f"instance of {type(optimizer_class).__name__}; pass the class and its options "
             f"as keyword arguments"
         )
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+    if not (isinstance(optimizer_class, type)
+            and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(
             f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
         )

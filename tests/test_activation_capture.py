@@ -17,8 +17,13 @@ torchvision = pytest.importorskip("torchvision", reason="activation capture is c
                                   "torchvision's models (not installed: tox -e torch213)")
 from torchvision.models.feature_extraction import create_feature_extractor  # noqa: E402
 
-from hookbench.activation_capture import STATS, ActivationCapture, flatten, statistics
-from hookbench.memory import StorageTracker
+from hookbench.activation_capture import (  # noqa: E402
+    STATS,
+    ActivationCapture,
+    flatten,
+    statistics,
+)
+from hookbench.memory import StorageTracker  # noqa: E402
 
 IMAGE = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
 
