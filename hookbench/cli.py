@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rec = commands.add_parser("record", help="record the upgrade gate's baseline on purpose "
                                              "(hook outcomes, checksums, memory, time ratios)")
-    baseline_options(rec, gate.MODELS + ("vit_l_16",))
+    baseline_options(rec, gate.RECORD_MODELS)
     rec.set_defaults(run=_record)
     gt = commands.add_parser("gate", help="the installed torch against the stored baseline; "
                                           "exits 1 when hooks, numerics, memory or time regress")
