@@ -42,8 +42,9 @@ def statistics(t: torch.Tensor, which: Iterable[str] = STATS) -> dict[str, float
 
 
 class _Stats:
-    """Statistics computed on the device, read (one sync) only when first asked for: a hook
-    that synchronised on every module call would stall a GPU pipeline."""
+    """Statistics computed on the device, read only when first asked for: a hook that
+    synchronised on every module call would stall a GPU pipeline. ``ActivationCapture.table``
+    reads all of a forward's at once (``_read_all``)."""
 
     def __init__(self, which: tuple[str, ...], t: torch.Tensor) -> None:
         x = t.detach()
@@ -53,12 +54,28 @@ class _Stats:
         self.values = _reductions(x, set(which), self.numbers) if self.n else None
 
     def resolve(self) -> dict[str, float]:
-        if not isinstance(self.values, dict):  # read once, then kept
-            numbers = [float("nan")] * len(self.numbers) if self.values is None \
-                else self.values.tolist()
-            out = dict(zip(self.numbers, numbers))
-            self.values = {s: self.n if s == "numel" else out[s] for s in self.which}
+        _read_all([self])  # read once, then kept
         return dict(self.values)
+
+    def _fill(self, numbers: list[float]) -> None:
+        out = dict(zip(self.numbers, numbers))
+        self.values = {s: self.n if s == "numel" else out[s] for s in self.which}
+
+
+def _read_all(stats: Iterable[_Stats]) -> None:
+    """Read every unread ``_Stats`` with one device-to-host copy per device (one sync), not
+    one per record. float32 values pass through float64 exactly."""
+    by_device: dict[torch.device, list[_Stats]] = {}
+    for st in stats:
+        if st.values is None:  # an empty tensor has no statistics
+            st._fill([float("nan")] * len(st.numbers))
+        elif not isinstance(st.values, dict):
+            by_device.setdefault(st.values.device, []).append(st)
+    for group in by_device.values():
+        numbers = torch.cat([st.values.double() for st in group]).tolist()
+        for st in group:
+            st._fill(numbers[:len(st.numbers)])
+            numbers = numbers[len(st.numbers):]
 
 
 def _reductions(x: torch.Tensor, need: set[str], numbers: list[str]) -> torch.Tensor:
@@ -248,10 +265,13 @@ class ActivationCapture:
         return self._calls.get(name, 0)
 
     def table(self) -> list[dict[str, Any]]:
-        """One row per record: name, call, path, shape, and the statistics."""
+        """One row per record: name, call, path, shape, and the statistics (of full tensors:
+        all of ``STATS``), read from the device at once."""
+        stats = [r.raw if isinstance(r.raw, _Stats) else _Stats(STATS, r.raw)
+                 for r in self.records]
+        _read_all(stats)
         return [{"name": r.name, "call": r.call, "path": r.path, "shape": r.shape,
-                 **(r.value if isinstance(r.value, dict) else statistics(r.value))}
-                for r in self.records]
+                 **st.resolve()} for r, st in zip(self.records, stats)]
 
 
 def _select(named: list[tuple[str, nn.Module]], selectors: Any,

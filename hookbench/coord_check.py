@@ -100,12 +100,12 @@ def coord_check(
                 for t in range(steps + 1):
                     cap.clear()
                     out = net(x)
-                    for r in cap.records:
-                        per = sums.setdefault(r.name, {s: [[0.0] * len(widths)
-                                                          for _ in range(steps + 1)]
-                                                       for s in ("mean_abs", "rms")})
+                    for row in cap.table():  # every layer's statistics, read at once
+                        per = sums.setdefault(row["name"], {s: [[0.0] * len(widths)
+                                                               for _ in range(steps + 1)]
+                                                            for s in ("mean_abs", "rms")})
                         for stat in per:
-                            per[stat][t][wi] += r.value[stat] / seeds
+                            per[stat][t][wi] += row[stat] / seeds
                     if t < steps:
                         loss = (F.mse_loss(out, y) if model == "mlp" else
                                 F.cross_entropy(out.flatten(0, 1), y.flatten()))
