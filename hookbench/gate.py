@@ -31,7 +31,7 @@ from hookbench.faults import FAULTS, inject
 from hookbench.memory import CATEGORIES, measure
 from hookbench.parity import FAMILIES, compare, parameters_only, tolerance, training, trajectory
 from hookbench.report import Section
-from hookbench.zoo import TinySpec, ZooSpec
+from hookbench.zoo import BENCHMARK_MLP, ZooSpec
 
 __all__ = ["MODELS", "SECTIONS", "check", "measure_all", "record", "selfcheck"]
 
@@ -41,9 +41,6 @@ RECORD_MODELS = (*MODELS, "vit_l_16")  # recorded, so that --models vit_l_16 can
 MEMORY_STRATEGIES = ("foreach", "forloop", "in_backward", "in_backward_grouped_foreach", "zero2")
 ZERO2_WORLD, ZERO2_BUCKET = 8, 2**22  # memory: rank 0 of 8 simulated ranks, 16 MB buckets
 TRAJECTORY_STRATEGIES = ("forloop", "foreach", "in_backward", "in_backward_grouped_foreach")
-ZERO2_SPEC = TinySpec(depth=3, width=8, batch_size=6)
-ZERO2_OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "foreach": False}),
-                    "adam": (torch.optim.Adam, {"lr": 1e-2, "foreach": False})}
 # The fake backend counts bytes exactly, so any growth is real; 1% lets a new workspace of a
 # few hundred KB through and still catches one kept gradient (+15% on the transformer).
 MEMORY_SLACK = 0.01
@@ -80,17 +77,16 @@ def _numerics() -> dict[str, Any]:
 def zero2_runs(faults: list[str | None]) -> dict[str | None, list]:
     """Every rank's ZeRO-2 trajectories for each fault, from one start of 2 gloo ranks (the
     fault is injected inside the ranks)."""
-    cases = [dict(spec=ZERO2_SPEC, optimizer_class=cls, kwargs=kw, bucket_numel=50, steps=5,
-                  fault=fault) for fault in faults for cls, kw in ZERO2_OPTIMIZERS.values()]
+    cases = [case for fault in faults for case in zero2.parity_cases(fault)]
     ranks = launch.run(zero2.trajectories, 2, cases, timeout=300)
-    n = len(ZERO2_OPTIMIZERS)
+    n = len(zero2.PARITY_OPTIMIZERS)
     return {fault: [[rank[i * n + j] for rank in ranks] for j in range(n)]
             for i, fault in enumerate(faults)}
 
 
 def _zero2(runs: list) -> dict[str, Any]:
     out = {}
-    for (name, (cls, kw)), ranks in zip(ZERO2_OPTIMIZERS.items(), runs):
+    for name, case, ranks in zip(zero2.PARITY_OPTIMIZERS, zero2.parity_cases(), runs):
         problems = [f"rank {r}: {got['error']}" for r, got in enumerate(ranks) if got["error"]]
         if problems:
             out[name] = {"problems": problems}
@@ -103,7 +99,8 @@ def _zero2(runs: list) -> dict[str, Any]:
                     break
             if not compare(got["snapshots"], ranks[0]["snapshots"]).bit_exact:
                 problems.append(f"rank {r} holds other parameters than rank 0")
-        reference = parameters_only(trajectory(ZERO2_SPEC, cls, kw, "forloop", steps=5))
+        reference = parameters_only(trajectory(case["spec"], case["optimizer_class"],
+                                               case["kwargs"], "forloop", steps=case["steps"]))
         parity = compare(ranks[0]["snapshots"], reference, zero2.TOLERANCE)
         if not parity.ok:
             problems.append(f"vs single-process training: {parity.verdict()}")
@@ -140,11 +137,10 @@ def _ratio(slow: Callable[[], object], fast: Callable[[], object], rounds: int =
 
 def _time() -> dict[str, Any]:
     # The benchmarks' workloads (tests/test_optimizer_in_backward.py, test_activation_capture.py).
-    spec = TinySpec(depth=12, width=256, in_features=256, batch_size=32)
     cls, kw = FAMILIES["adam"]
     out: dict[str, Any] = {}
-    with training(spec, cls, kw, "in_backward_grouped_foreach") as grouped, \
-            training(spec, cls, kw, "foreach") as standard:
+    with training(BENCHMARK_MLP, cls, kw, "in_backward_grouped_foreach") as grouped, \
+            training(BENCHMARK_MLP, cls, kw, "foreach") as standard:
         grouped.step(0), standard.step(0)  # Adam's state exists from here on: steady state
         out["in_backward_grouped_vs_foreach"] = _ratio(lambda: grouped.step(1),
                                                        lambda: standard.step(1))

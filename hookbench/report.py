@@ -153,15 +153,11 @@ def zero2_section(spec: ZooSpec, backend: str, standard: MemoryResult | None,
     section = Section("ZeRO-2 (sharded gradient release): parity on gloo, and memory per rank "
                       "(GB) against 4 Psi + 12 Psi / N", ("check", "verdict"))
     progress("ZeRO-2: parity on 2 gloo ranks ...")
-    tiny = TinySpec(depth=3, width=8, batch_size=6)
-    cases = [dict(spec=tiny, optimizer_class=cls, kwargs={**kw, "foreach": False},
-                  bucket_numel=50, steps=5)
-             for cls, kw in ((torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
-                             (torch.optim.Adam, {"lr": 1e-2}))]
+    cases = zero2.parity_cases()
     ranks = launch.run(zero2.trajectories, 2, cases)
     for i, case in enumerate(cases):
-        ref = parameters_only(trajectory(tiny, case["optimizer_class"], case["kwargs"],
-                                         "forloop", steps=5))
+        ref = parameters_only(trajectory(case["spec"], case["optimizer_class"], case["kwargs"],
+                                         "forloop", steps=case["steps"]))
         for rank, got in enumerate(ranks):
             result = compare(got[i]["snapshots"], ref, zero2.TOLERANCE)
             section.add(result.ok, f"{case['optimizer_class'].__name__}, gloo rank {rank} of 2",

@@ -36,14 +36,29 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hookbench.parity import Tolerance
+from hookbench.zoo import TinySpec
 
-__all__ = ["TOLERANCE", "Zero2", "reduce_to_owner"]
+__all__ = ["PARITY_OPTIMIZERS", "PARITY_SPEC", "TOLERANCE", "Zero2", "parity_cases",
+           "reduce_to_owner"]
 
 # Against single-process training on the global batch: the reduction sums the ranks' mean
 # gradients and divides by N, where the reference takes one mean over the global batch, a
 # different order of fp32 additions. DeepSpeed's own tests compare with DDP + torch Adam at
 # rtol 1e-5, atol 1e-6 over 5 steps; so does hookbench.
 TOLERANCE = Tolerance(rtol=1e-5, atol=1e-6)
+
+
+# What hookbench report and hookbench gate check ZeRO-2 parity on: 227 parameters, so that the
+# shards cut parameters in two, and 50-element buckets, so that a backward reduces several.
+PARITY_SPEC = TinySpec(depth=3, width=8, batch_size=6)
+PARITY_OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "foreach": False}),
+                     "adam": (torch.optim.Adam, {"lr": 1e-2, "foreach": False})}
+
+
+def parity_cases(fault: str | None = None) -> list[dict[str, Any]]:
+    """``trajectory`` keyword arguments for each of ``PARITY_OPTIMIZERS``: 5 steps."""
+    return [dict(spec=PARITY_SPEC, optimizer_class=cls, kwargs=kw, bucket_numel=50, steps=5,
+                 fault=fault) for cls, kw in PARITY_OPTIMIZERS.values()]
 
 
 def reduce_to_owner(chunk: torch.Tensor, owner: int, group: Any) -> None:

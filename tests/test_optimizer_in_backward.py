@@ -23,7 +23,7 @@ from hookbench.parity import (
     training,
     trajectory,
 )
-from hookbench.zoo import ACTIVATIONS, TinySpec
+from hookbench.zoo import ACTIVATIONS, BENCHMARK_MLP, TinySpec
 
 # -- strategies ---------------------------------------------------------------------------------
 
@@ -492,10 +492,10 @@ def test_activation_checkpointing(reentrant):
     "strategy", ["forloop", "foreach", "in_backward", "in_backward_grouped_foreach"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_benchmark_step_time(benchmark, strategy, device):
-    # A 12-layer MLP of width 256 (~0.8M parameters): one training step per round, the same
-    # number of rounds for every strategy. The step's cost drifts as Adam's state evolves, so
-    # equal step counts keep the strategies comparable (conftest.py prints their ratios).
-    spec = TinySpec(depth=12, width=256, in_features=256, batch_size=32)
+    # BENCHMARK_MLP (~0.8M parameters): one training step per round, the same number of rounds
+    # for every strategy. The step's cost drifts as Adam's state evolves, so equal step counts
+    # keep the strategies comparable (conftest.py prints their ratios).
+    spec = BENCHMARK_MLP
     cls, kw = FAMILIES["adam"]
     benchmark.extra_info.update(strategy=strategy, device=device)
     # The step's peak memory beside its time in the stored run: on the CPU the fake backend's

@@ -13,14 +13,12 @@ import torch.distributed as dist
 from hookbench import launch, zero2
 from hookbench.memory import measure
 from hookbench.parity import FAMILIES, compare, parameters_only, trajectory
-from hookbench.zoo import TinySpec, ZooSpec
+from hookbench.zoo import BENCHMARK_MLP, ZooSpec
 
 pytestmark = pytest.mark.distributed
 
 # 227 parameters: with 3 ranks the shards (76 each) cut 2.weight and 4.weight in two.
-SPEC = TinySpec(depth=3, width=8, batch_size=6)
-OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "foreach": False}),
-              "adam": (torch.optim.Adam, {"lr": 1e-2, "foreach": False})}
+SPEC, OPTIMIZERS = zero2.PARITY_SPEC, zero2.PARITY_OPTIMIZERS
 BUCKETS = (1, 50, 10**6)  # a flush per parameter; a few per backward; one at its end
 STEPS = 5
 TOL = zero2.TOLERANCE  # rtol 1e-5, atol 1e-6, as DeepSpeed's own tests; see its comment
@@ -279,11 +277,11 @@ def test_ranks_beside_this_process_fail_it_when_one_raises():
 @pytest.mark.benchmark(group="adam-step")
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu(count=2))])
 def test_benchmark_zero2_step(benchmark, device):
-    # The step benchmark's MLP (test_optimizer_in_backward.py) on 2 ranks (gloo with one
+    # BENCHMARK_MLP, as in the single-process step benchmark, on 2 ranks (gloo with one
     # thread each, or nccl with a GPU each), 16 of the 32 samples per rank, 64K-element
     # buckets: one ZeRO-2 step per round, timed on rank 0, including the 1-element broadcast
     # that tells rank 1 to step too.
-    spec = TinySpec(depth=12, width=256, in_features=256, batch_size=32)
+    spec = BENCHMARK_MLP
     cls, kw = FAMILIES["adam"]
     args = (spec, cls, {**kw, "foreach": False}, 2**16)
     benchmark.extra_info.update(strategy="zero2", device=device, ranks=2)
