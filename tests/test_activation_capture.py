@@ -92,9 +92,14 @@ def test_resnet18_statistics_mode_agrees_with_tensors(resnet18):
     with ActivationCapture(resnet18, stats=True) as stats, ActivationCapture(resnet18) as full:
         resnet18(IMAGE)  # nested captures on one model: both see every call
     assert len(stats.records) == len(full.records) == 75
-    for s, f in zip(stats.records, full.records):
+    # table() reads every record's statistics in one copy, before any record is read alone:
+    # row for row the numbers of reading one record at a time.
+    rows, full_rows = stats.table(), full.table()
+    for s, f, row, full_row in zip(stats.records, full.records, rows, full_rows):
         assert (s.name, s.call, s.path, s.shape) == (f.name, f.call, f.path, f.shape)
-        assert s.value == statistics(f.value)  # the same float32 arithmetic: bit-exact
+        expected = statistics(f.value)
+        assert s.value == expected  # the same float32 arithmetic: bit-exact
+        assert {k: row[k] for k in STATS} == expected == {k: full_row[k] for k in STATS}
 
 
 # -- the peer: torchvision's create_feature_extractor (FX) ---------------------------------------
