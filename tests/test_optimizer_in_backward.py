@@ -462,26 +462,222 @@ def test_a_hook_that_fires_twice_is_refused_not_stepped_twice():
             model(torch.ones(1, 6)).sum().backward()
 
 
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_activation_checkpointing(reentrant):
-    # Pinned: non-reentrant checkpointing matches a standard step bit for bit; reentrant runs a
-    # nested backward, the hook of a weight used inside and outside the checkpoint fires in
-    # each, and the weight is stepped twice on partial gradients. The README says to avoid it.
+@pytest.mark.parametrize("grouped", [False, True])
+def test_non_reentrant_activation_checkpointing_is_bit_exact(grouped):
+    # A weight used inside and outside the checkpoint: its hook fires once, after both uses.
     torch.manual_seed(0)
     std_model = nn.Linear(3, 3)
     oib_model = copy.deepcopy(std_model)
     x = torch.randn(2, 3, requires_grad=True)
 
     def run(m):
-        m(checkpoint(m, x, use_reentrant=reentrant)).sum().backward()
+        m(checkpoint(m, x, use_reentrant=False)).sum().backward()
 
     std = torch.optim.SGD(std_model.parameters(), lr=0.1)
     run(std_model)
     std.step()
-    with OptimizerInBackward(oib_model, torch.optim.SGD, lr=0.1):
+    with OptimizerInBackward(oib_model, torch.optim.SGD, lr=0.1, grouped=grouped):
         run(oib_model)
-    same = [torch.equal(a, b) for a, b in zip(std_model.parameters(), oib_model.parameters())]
-    assert same == ([False, False] if reentrant else [True, True])
+    assert all(torch.equal(a, b) for a, b in zip(std_model.parameters(),
+                                                 oib_model.parameters()))
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_reentrant_activation_checkpointing_is_refused_before_backward(grouped):
+    # Its nested backward would fire the weight's hook once inside and once outside the
+    # checkpoint, stepping it twice on partial gradients (hook_contract pins that firing).
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3)
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(2, 3, requires_grad=True)
+    with OptimizerInBackward(model, torch.optim.Adam, lr=0.1, grouped=grouped) as opt:
+        with pytest.raises(RuntimeError, match="use_reentrant=True: its nested backward fires"):
+            model(checkpoint(model, x, use_reentrant=True))
+        assert all(p.grad is None for p in model.parameters()) and not opt.state
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+# -- training conditions -------------------------------------------------------------------------
+
+
+def _standard_and_in_backward(model_fn, cls, kw, batches, forward, grouped, add_group=None):
+    """The same training with a standard for-loop step and in backward; both models' parameters
+    after every step. ``forward(model, x, step)`` returns the loss; ``add_group(model)``, if
+    given, returns a param group added after the first step (a new head, unfrozen layers)."""
+    out = []
+    for in_backward in (False, True):
+        model = model_fn()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = (OptimizerInBackward(model, cls, params, grouped=grouped, foreach=False, **kw)
+               if in_backward else cls(params, foreach=False, **kw))
+        snaps = []
+        try:
+            for i, x in enumerate(batches):
+                if i == 1 and add_group is not None:
+                    opt.add_param_group(add_group(model))
+                forward(model, x, i).backward()
+                opt.step()
+                opt.zero_grad()
+                snaps.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        finally:
+            if in_backward:
+                opt.remove()
+        out.append((snaps, opt, model))
+    return out
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+BATCHES = torch.randn(4, 3, 6, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("family", ["sgd", "adam", "adamw"])
+def test_bf16_autocast_is_bit_exact_with_the_standard_autocast_step(family, grouped):
+    # The forward and backward run the same bf16 kernels on both sides, the gradients reach
+    # the fp32 parameters in fp32, and the update is the same for-loop arithmetic: bit-exact.
+    cls, kw = FAMILIES[family]
+
+    def forward(model, x, i):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x).float().square().mean()
+
+    (std, *_), (oib, *_) = _standard_and_in_backward(_mlp, cls, kw, BATCHES, forward, grouped)
+    assert compare(oib, std).bit_exact, compare(oib, std).verdict()
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_fp16_is_refused_in_every_form_it_can_take(grouped):
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    before = copy.deepcopy(model.state_dict())
+    # float16 parameters: at construction, before any hook.
+    half = copy.deepcopy(model).half()
+    with pytest.raises(ValueError, match="parameter '0.weight' is float16: float16 training "
+                                         "needs loss scaling"):
+        OptimizerInBackward(half, torch.optim.Adam, grouped=grouped)
+    assert _hooks(half) == [0] * len(_hooks(half))
+    with OptimizerInBackward(model, torch.optim.Adam, lr=1e-2, grouped=grouped) as opt:
+        # An fp16 autocast forward: before it runs (BatchNorm's running stats included).
+        with pytest.raises(RuntimeError, match=r"forward under float16 autocast \(cpu\)"):
+            with torch.autocast("cpu", dtype=torch.float16):
+                model(BATCHES[0])
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+        assert not opt.state
+        # GradScaler.step: a clear refusal instead of "No inf checks were recorded".
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(model(BATCHES[0]).square().mean()).backward()
+        with pytest.raises(ValueError, match="GradScaler.step\\(\\) on OptimizerInBackward: "
+                                             "the parameters were already stepped"):
+            scaler.step(opt)
+        assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+
+
+def test_global_clipping_after_backward_is_a_no_op_as_the_readme_says():
+    # Pinned, because it cannot be refused: torch.nn.utils.clip_grad_norm_ reads p.grad, which
+    # the optimizer in backward has already applied and freed. The method on the optimizer
+    # refuses (test_clip_grad_norm_is_refused_with_advice).
+    model = _mlp()
+    with OptimizerInBackward(model, torch.optim.SGD, lr=0.1):
+        model(BATCHES[0]).square().mean().backward()
+        assert float(nn.utils.clip_grad_norm_(model.parameters(), 1e-3)) == 0.0
+        assert all(p.grad is None for p in model.parameters())
+
+
+class _Unused(nn.Module):
+    """``never`` gets no gradient in any backward; ``sometimes`` in every other one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.never, self.sometimes = nn.Linear(6, 8), nn.Linear(8, 2), nn.Linear(8, 2)
+
+    def forward(self, x, step=0):
+        h = self.body(x).tanh()
+        return self.sometimes(h) if step % 2 else h[:, :2]
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("family", ["sgd", "adam"])
+def test_unused_parameters_are_left_alone_as_a_standard_step_leaves_them(family, grouped):
+    cls, kw = FAMILIES[family]
+    (std, std_opt, _), (oib, oib_opt, model) = _standard_and_in_backward(
+        _Unused, cls, kw, BATCHES, lambda m, x, i: m(x, i).square().mean(), grouped)
+    assert compare(oib, std).bit_exact, compare(oib, std).verdict()
+    initial = dict(_Unused().named_parameters())
+    assert all(torch.equal(oib[-1][n], initial[n]) for n in ("never.weight", "never.bias"))
+    assert model.never.weight not in oib_opt.state and model.never.bias not in oib_opt.state
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_add_param_group_registers_hooks_and_steps_the_new_parameters(grouped):
+    # Unfreezing the first layer after one step, with its own learning rate.
+    def frozen_mlp():
+        model = _mlp()
+        model[0].requires_grad_(False)
+        return model
+
+    def unfreeze(model):
+        model[0].requires_grad_(True)
+        return {"params": model[0].parameters(), "lr": 0.5}
+
+    cls, kw = FAMILIES["sgd"]
+    (std, std_opt, _), (oib, oib_opt, model) = _standard_and_in_backward(
+        frozen_mlp, cls, kw, BATCHES, lambda m, x, i: m(x).square().mean(), grouped,
+        add_group=unfreeze)
+    assert compare(oib, std).bit_exact, compare(oib, std).verdict()
+    assert not torch.equal(oib[-1]["0.weight"], oib[0]["0.weight"])  # it was stepped
+    assert oib_opt.param_groups[1]["lr"] == 0.5
+    assert oib_opt.param_groups[1]["param_names"] == ["0.weight", "0.bias"]
+
+
+def test_add_param_group_refuses_bad_groups_before_anything_changes():
+    model = _mlp()
+    with OptimizerInBackward(model, torch.optim.Adam, [model[2].weight], lr=1e-2) as opt:
+        groups, hooks = copy.deepcopy(opt.param_groups), _hooks(model)
+        for group, error, match in [
+            ({"params": [model[2].weight]}, ValueError, "'2.weight' appears in more than one"),
+            ({"params": [nn.Parameter(torch.ones(2))]}, ValueError, "not a parameter of the "),
+            ({"params": [model[0].weight], "lr": -1.0}, ValueError, "Invalid learning rate"),
+            ([model[0].weight], TypeError, "param_group must be a dict"),
+        ]:
+            with pytest.raises(error, match=match):
+                opt.add_param_group(group)
+            assert _hooks(model) == hooks
+            assert [g["param_names"] for g in opt.param_groups] == \
+                [g["param_names"] for g in groups]
+
+
+def test_named_parameters_are_accepted_as_torch_optimizers_accept_them():
+    model = _mlp()
+    with OptimizerInBackward(model, torch.optim.Adam, model.named_parameters(), lr=1e-2) as opt:
+        std = torch.optim.Adam(_mlp().named_parameters(), lr=1e-2)
+        assert opt.state_dict()["param_groups"] == std.state_dict()["param_groups"]
+
+
+# Every torch optimizer whose step needs no closure: stepped per parameter (or per module) it
+# sees whole parameters, so even shape-dependent updates (Adafactor's factored second moment)
+# hold, bit for bit against the for-loop step.
+OTHER_OPTIMIZERS = {
+    "adafactor": (torch.optim.Adafactor, {"lr": 1e-2}),
+    "adamax": (torch.optim.Adamax, {"lr": 1e-2}),
+    "nadam": (torch.optim.NAdam, {"lr": 1e-2}),
+    "radam": (torch.optim.RAdam, {"lr": 1e-2}),
+    "adadelta": (torch.optim.Adadelta, {"lr": 0.5}),
+    "asgd": (torch.optim.ASGD, {"lr": 1e-2}),
+    "rprop": (torch.optim.Rprop, {"lr": 1e-2}),
+}
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+@pytest.mark.parametrize("name", OTHER_OPTIMIZERS)
+def test_other_optimizer_classes_are_bit_exact(name, grouped):
+    cls, kw = OTHER_OPTIMIZERS[name]
+    (std, *_), (oib, *_) = _standard_and_in_backward(
+        _mlp, cls, kw, BATCHES, lambda m, x, i: m(x).square().mean(), grouped)
+    assert compare(oib, std).bit_exact, compare(oib, std).verdict()
 
 
 # -- speed ---------------------------------------------------------------------------------------
