@@ -164,8 +164,9 @@ class MemoryResult:
     # The least any implementation of this strategy could need: parameters and optimizer state
     # live throughout; the peak activations must coexist with them at the end of forward, and
     # the gradients the strategy needs at once (all of them for a standard step, one parameter's
-    # or one module's in backward) before they are stepped. A lower bound, so the larger of the
-    # two, not their sum (a for-loop step already runs below the sum).
+    # or one module's in backward, the rank's gradient shard for ZeRO-2) before they are
+    # stepped. A lower bound, so the larger of the two, not their sum (a for-loop step already
+    # runs below the sum). tests/test_memory.py checks that no measured step goes below it.
     floor: int
     floor_breakdown: dict[str, int]
     timeline: list[tuple[str, tuple[int, ...]]] = field(repr=False)
@@ -196,13 +197,15 @@ def measure(
     snapshot_path: str | os.PathLike | None = None,
     round_to: int = 512,
     world_size: int = 1,
+    rank: int = 0,
 ) -> MemoryResult:
     """Measure one training step of ``spec`` (a ``ZooSpec`` or ``TinySpec``) after ``warmup``.
 
     ``strategy`` is one of ``hookbench.parity.STRATEGIES`` except ``peer``. For ``zero2``
     the step runs in the current process group, or, where none is initialized, as rank 0 of
     ``world_size`` ranks in a fake process group whose collectives move no data: one process
-    simulates any number of ranks (with the fake backend, any model size).
+    simulates any number of ranks (with the fake backend, any model size); ``rank`` picks which
+    rank (ranks differ: each owns other parameters, whose gradients arrive at other times).
     """
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {BACKENDS}")
@@ -211,6 +214,8 @@ def measure(
                          f"{[s for s in parity.STRATEGIES if s != 'peer']}")
     if warmup < 1:
         raise ValueError("warmup must be >= 1: the first step is not steady state")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     if backend == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("the cuda backend needs CUDA, and torch.cuda.is_available() is "
                            "False; use backend='fake' for a device-independent measurement")
@@ -218,7 +223,7 @@ def measure(
         if strategy == "zero2" and not dist.is_initialized():
             from torch.testing._internal.distributed.fake_pg import FakeStore
 
-            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
             stack.callback(dist.destroy_process_group)
         if backend == "fake":
             from torch._subclasses.fake_tensor import FakeTensorMode
@@ -308,7 +313,7 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         "parameters": tracker.totals["parameters"],
         "optimizer_state": tracker.totals["optimizer_state"],
         "activations_peak": activations_peak,
-        "gradients_needed": _gradients_needed(model, strategy, tracker),
+        "gradients_needed": _gradients_needed(model, strategy, tracker, started.optimized),
     }
     peak = device_info["max_memory_allocated"] if cuda else tracker.peak
     return MemoryResult(
@@ -332,8 +337,16 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
     )
 
 
-def _gradients_needed(model: nn.Module, strategy: str, tracker: StorageTracker) -> int:
+def _gradients_needed(model: nn.Module, strategy: str, tracker: StorageTracker,
+                      optimized: list[torch.Tensor]) -> int:
     """The gradient bytes a strategy cannot do without at one moment."""
+    if strategy == "zero2":
+        # The shard's gradient (this rank's pieces, one allocation), which must exist at the
+        # step. Not every gradient: the rank never holds them all. Not the shard's gradient on
+        # top of the activations either: it is allocated when the rank's first piece arrives,
+        # and for rank 0 (the first parameters, whose gradients come last) that is after most
+        # activations are freed; so it stands in the max() with them.
+        return tracker.rounded(sum(p.nbytes for p in optimized))
     if strategy == "in_backward":  # one parameter's
         return max(tracker.rounded(p.nbytes) for p in model.parameters() if p.requires_grad)
     if strategy.startswith("in_backward_grouped"):  # one module's own parameters'

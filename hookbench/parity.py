@@ -175,7 +175,7 @@ class Started(NamedTuple):
     step: Callable[[], None]  # after the micro-batches of one optimizer step
     state_of: Callable[[torch.Tensor], dict]  # the optimizer state of a tensor in `optimized`
     close: Callable[[], None]  # remove hooks
-    optimized: list[torch.Tensor]  # the tensors the optimizer steps (ZeRO-2: the shard)
+    optimized: list[torch.Tensor]  # the tensors the optimizer steps (ZeRO-2: shard pieces)
 
 
 def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
@@ -210,7 +210,7 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
             zero.zero_grad()
 
         return Started(zero_step, lambda p: zero.optimizer.state.get(p, {}), zero.remove,
-                       [f.shard for f in zero.flats])
+                       [piece for f in zero.flats for _, piece, _, _ in f.owned])
     # The peer keeps its optimizers and hook handles in module-level maps and attributes.
     from torch.distributed.optim import apply_optimizer_in_backward as peer
 

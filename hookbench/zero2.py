@@ -4,24 +4,39 @@ With N data-parallel ranks:
 
 * each param group is flattened into one buffer (the model's parameters become views into it),
   padded to a multiple of N and cut into N contiguous pieces; rank r owns piece r, so a
-  parameter may straddle two ranks. The optimizer (any ``torch.optim`` class) is built on the
-  owned piece alone, so it holds state for 1/N of the model;
-* during backward a post-accumulate-grad hook per parameter moves its gradient into a bucket
-  and frees ``param.grad`` at once. A full bucket is reduced to the owners of its pieces (one
-  ``dist.reduce`` per owning rank, so a bucket costs its own size and not N times it) and
-  averaged; each rank adds only its own piece into its shard's gradient. The last, partial
-  bucket is flushed at the end of backward: a callback queued on the autograd engine
-  (``Variable._execution_engine.queue_callback``, as DeepSpeed does) runs once every hook of
-  the graph task has fired, which counting hooks cannot know when some parameter gets no
-  gradient;
-* ``step()`` updates the owned piece, then an all-gather rebuilds the full flat
-  buffer on every rank. Micro-batches accumulate into the shard's gradient; call ``step()``
-  after the last of them, as with a standard optimizer.
+  parameter may straddle two ranks. The optimizer runs on this rank's pieces of the parameters
+  (one 1-D view per parameter piece), so it holds state for 1/N of the model;
+* during backward a post-accumulate-grad hook per parameter moves its gradient into its bucket
+  and frees ``param.grad`` at once. Buckets are fixed at construction (parameters in reverse
+  registration order, backward's order for most models, up to ``bucket_numel`` elements each)
+  and reduced strictly in that order, each as soon as it is complete and every earlier one is
+  reduced; whatever is left is reduced when backward ends (a callback queued on the autograd
+  engine, as DeepSpeed does). The schedule is the same on every rank whichever parameters got
+  a gradient: a rank that did not use a parameter sends zeros for it at the end of its
+  backward, and the ranks that did wait for it there (as DDP does). A bucket is reduced to the
+  owners of its pieces (one ``dist.reduce`` per owning rank, so it costs its own size and not N
+  times it) and averaged;
+* at the end of each backward one small all-reduce tells every rank which parameters got a
+  gradient on any rank, and whether any rank's shard holds an inf/NaN. A parameter that got
+  none anywhere keeps ``grad=None`` on its pieces, so the optimizer leaves it and its state
+  untouched, as a standard ``optimizer.step()`` does (DeepSpeed instead zero-fills and moves
+  it). A non-finite gradient on any rank makes every rank's shard gradient NaN, so a
+  ``torch.amp.GradScaler`` skips the step on every rank alike, and updates its scale alike;
+* ``step()`` updates the owned pieces, then an all-gather rebuilds the full flat buffer on every
+  rank. Micro-batches accumulate into the shard's gradient; call ``step()`` after the last of
+  them, then ``zero_grad()``, as with a standard optimizer. ``clip_grad_norm_`` clips by the
+  global norm over every rank's shard (an all-reduce), as ``torch.nn.utils.clip_grad_norm_``
+  would over the full gradients.
+
+The optimizer must update each element from that element's own gradient and state alone:
+``ELEMENTWISE`` lists the torch classes that do. Anything that uses a tensor's shape or a
+per-tensor norm (Adafactor, LAMB, LARS, Muon, Shampoo) would see 1-D pieces of parameters and
+change meaning; it is refused, unless ``elementwise=True`` says the class is elementwise.
+Reentrant activation checkpointing is refused (see ``OptimizerInBackward``).
 
 Per rank, fp32 Adam: parameters 4 Psi + gradient shard 4 Psi/N + Adam state 8 Psi/N, the
 ZeRO paper's 4 Psi + 12 Psi / N, plus activations, the bucket and its concatenated copy for
-the reduction. The gradient shard is allocated when the rank's first piece arrives, and Adam's
-for-loop step adds two shard-sized temporaries.
+the reduction. The gradient shard is allocated when the rank's first piece arrives.
 """
 
 from __future__ import annotations
@@ -35,17 +50,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from hookbench.optimizer_in_backward import reentrant_checkpoint_in_graph, unnamed
 from hookbench.parity import Tolerance
 from hookbench.zoo import TinySpec
 
-__all__ = ["PARITY_OPTIMIZERS", "PARITY_SPEC", "TOLERANCE", "Zero2", "parity_cases",
-           "reduce_to_owner"]
+__all__ = ["ELEMENTWISE", "PARITY_OPTIMIZERS", "PARITY_SPEC", "TOLERANCE", "Zero2",
+           "parity_cases", "reduce_to_owner"]
 
 # Against single-process training on the global batch: the reduction sums the ranks' mean
 # gradients and divides by N, where the reference takes one mean over the global batch, a
 # different order of fp32 additions. DeepSpeed's own tests compare with DDP + torch Adam at
 # rtol 1e-5, atol 1e-6 over 5 steps; so does hookbench.
 TOLERANCE = Tolerance(rtol=1e-5, atol=1e-6)
+
+# torch.optim classes whose update of an element reads only that element's gradient and state
+# (and per-tensor scalars that depend on the step count alone), so stepping 1-D pieces of a
+# parameter is stepping the parameter. Checked by reading each class's single-tensor update.
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
+               torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad,
+               torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
 
 
 # What hookbench report and hookbench gate check ZeRO-2 parity on: 227 parameters, so that the
@@ -80,8 +103,13 @@ class _Flat:
     params: list[nn.Parameter]
     offsets: list[int]  # of each parameter in the flat buffer
     buffer: torch.Tensor  # padded to world_size * shard_numel
-    shard: nn.Parameter  # this rank's piece: a view into buffer, what the optimizer steps
+    shard: torch.Tensor  # this rank's piece of the buffer
     shard_numel: int
+    grad: torch.Tensor | None = None  # the shard's gradient, allocated at its first piece
+    # this rank's piece of each parameter it owns a part of: (parameter index, the piece as a
+    # leaf view into shard, its offset within shard, its start within the parameter); the
+    # optimizer steps these
+    owned: list[tuple[int, nn.Parameter, int, int]] = field(default_factory=list)
 
     def pieces(self, i: int, world: int) -> list[tuple[int, int, int, int]]:
         """(owner, start, end within param i, offset within the owner's shard)."""
@@ -98,20 +126,25 @@ class _Flat:
 
 @dataclass(eq=False)
 class _Bucket:
-    grads: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)  # group, index, g
-    numel: int = 0
+    members: list[tuple[int, int]]  # (group, parameter index), in reduction order
+    numel: int
+    grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # arrived
 
 
 class Zero2:
     """ZeRO-2 over ``process_group`` (default: the world); see the module docstring.
 
     Args:
-        model: its trainable parameters are sharded; every rank must pass the same model.
-        optimizer_class, **defaults: the optimizer run on each rank's pieces.
+        model: its trainable parameters are sharded; every rank must pass the same model
+            (checked at construction: a difference raises on every rank, naming it).
+        optimizer_class, **defaults: the optimizer run on each rank's pieces; one of
+            ``ELEMENTWISE`` unless ``elementwise=True``.
         params: ``None`` for every trainable parameter, or param groups (dicts with ``"params"``
             and per-group options, as for any optimizer); each group is one flat buffer.
         bucket_numel: gradient elements per bucket before it is reduced (DeepSpeed's
-            reduce_bucket_size); 1 flushes each parameter on its own.
+            reduce_bucket_size); 1 reduces each parameter on its own.
+        elementwise: True to assert that ``optimizer_class`` updates every element from its own
+            gradient and state alone (a class not in ``ELEMENTWISE``).
     """
 
     def __init__(
@@ -122,14 +155,25 @@ class Zero2:
         *,
         process_group: Any = None,
         bucket_numel: int = 2**22,
+        elementwise: bool = False,
         **defaults: Any,
     ) -> None:
+        # Everything is validated (on every rank alike) before the model's parameters are
+        # moved into the flat buffers, so a refusal leaves the model as it was.
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not (isinstance(optimizer_class, type)
                 and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got "
                             f"{optimizer_class!r}")
+        if optimizer_class not in ELEMENTWISE and elementwise is not True:
+            raise ValueError(
+                f"{optimizer_class.__name__} is not known to update parameters elementwise: "
+                f"ZeRO-2 steps 1-D pieces of parameters, so an update that uses a parameter's "
+                f"shape or a per-tensor norm (Adafactor, LAMB, Muon, ...) would change "
+                f"meaning. Use one of {[c.__name__ for c in ELEMENTWISE]}, or pass "
+                f"elementwise=True if every element's update reads only its own gradient and "
+                f"state")
         if not dist.is_initialized():
             raise ValueError("torch.distributed is not initialized: call "
                              "dist.init_process_group first (torchrun sets the environment)")
@@ -141,17 +185,41 @@ class Zero2:
         self.group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        # A fake process group (hookbench.memory simulating rank 0 of N) moves no data: its
+        # other ranks are taken to do as this one does, and their state cannot be gathered.
+        self.simulated = dist.get_backend(process_group) == "fake"
+        if not self.simulated:
+            _check_same_on_every_rank(groups, self.names, optimizer_class, bucket_numel,
+                                      process_group)
         self.bucket_numel = bucket_numel
         self.flats = [_flatten(g["params"], self.world, self.rank) for g in groups]
         self.optimizer = optimizer_class(
-            [{**g, "params": [f.shard]} for g, f in zip(groups, self.flats)], **defaults)
+            [{**g, "params": [piece for _, piece, _, _ in f.owned]}
+             for g, f in zip(groups, self.flats)], **defaults)
         self.hook_calls: Counter[str] = Counter()  # per parameter name, in the last backward
-        self._bucket = _Bucket()
+        self._buckets = _buckets(self.flats, bucket_numel)
+        self._bucket_of = {m: b for b in self._buckets for m in b.members}
+        self._next = 0  # the first bucket not yet reduced in this backward
+        self._arrived: set[tuple[int, int]] = set()  # (group, index) in this backward
+        self._got_grad: dict[tuple[int, int], bool] = {}  # (group, index) -> any rank, any pass
         self._graph_task = -1
         self._handles: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(self._make_hook(g, i))
             for g, flat in enumerate(self.flats) for i, p in enumerate(flat.params)
         ]
+        self._handles.append(model.register_forward_hook(_refuse_reentrant_checkpoint))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise ValueError("Zero2 flattens its param groups into sharded buffers once, at "
+                         "construction, on every rank alike; to train more parameters, remove() "
+                         "this Zero2 and build a new one with every group (its state can be "
+                         "carried over through full_state_dict())")
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's groups (over this rank's pieces): what ``GradScaler`` unscales
+        and an LR scheduler (given ``zero.optimizer``) drives."""
+        return self.optimizer.param_groups
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -166,62 +234,122 @@ class Zero2:
         if task != self._graph_task:  # the first hook of a new backward
             self._graph_task = task
             self.hook_calls.clear()
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         name = self.names[param]
         self.hook_calls[name] += 1
         if self.hook_calls[name] > 1:
             raise RuntimeError(f"post-accumulate-grad hook fired twice for parameter '{name}' "
                                f"in one backward pass")
-        grad = param.grad.detach().reshape(-1)
+        self._arrived.add((group, index))
+        bucket = self._bucket_of[group, index]
+        bucket.grads[group, index] = param.grad.detach().reshape(-1)
         param.grad = None  # released at once: from here on only the bucket holds it
-        if self._bucket.numel and self._bucket.numel + grad.numel() > self.bucket_numel:
-            self._flush()
-        self._bucket.grads.append((group, index, grad))
-        self._bucket.numel += grad.numel()
-        if self._bucket.numel >= self.bucket_numel:
-            self._flush()
+        while (self._next < len(self._buckets)
+               and len(self._buckets[self._next].grads) == len(self._buckets[self._next].members)):
+            self._reduce(self._buckets[self._next])
+            self._next += 1
 
     @torch.no_grad()
-    def _flush(self) -> None:
+    def _end_of_backward(self) -> None:
+        for bucket in self._buckets[self._next:]:
+            self._reduce(bucket)  # what this rank did not use goes as zeros
+        self._next = 0
+        self._graph_task = -1
+        local = [int(m in self._arrived) for m in self._bucket_of]
+        self._arrived.clear()
+        if self.simulated:
+            used, nonfinite = local, False
+        else:
+            # the largest |g| is inf or NaN exactly when some element is; no shard-sized temporary
+            bad = [f.grad is not None
+                   and not bool(torch.isfinite(torch.linalg.vector_norm(f.grad, float("inf"))))
+                   for f in self.flats]
+            flags = torch.tensor([*local, int(any(bad))], dtype=torch.int32,
+                                 device=self.flats[0].buffer.device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+            *used, nonfinite = flags.tolist()
+        for member, u in zip(self._bucket_of, used):
+            self._got_grad[member] = self._got_grad.get(member, False) or bool(u)
+        for g, flat in enumerate(self.flats):
+            if nonfinite and flat.grad is not None:
+                # the global gradient is not finite: no rank's shard may look finite, or one
+                # rank's GradScaler would step (and grow its scale) while another skips
+                flat.grad.fill_(float("nan"))
+            for index, piece, offset, _ in flat.owned:
+                if self._got_grad.get((g, index)) and flat.grad is not None:
+                    piece.grad = flat.grad[offset:offset + piece.numel()]
+
+    @torch.no_grad()
+    def _reduce(self, bucket: _Bucket) -> None:
         """Reduce the bucket to the owners of its pieces; keep and average our own piece."""
-        bucket, self._bucket = self._bucket, _Bucket()
-        if not bucket.grads:
-            return
-        # Every rank filled its bucket in the same order (the same graph), so every rank builds
-        # the same per-owner layout and the reductions line up.
-        layout: dict[int, list[tuple[torch.Tensor, int, int]]] = {}
-        for group, index, grad in bucket.grads:
+        # The same fixed layout on every rank, so the reductions line up.
+        layout: dict[int, list[tuple[torch.Tensor | int, int, int]]] = {}
+        for group, index in bucket.members:
+            grad = bucket.grads.get((group, index))
             for owner, start, end, offset in self.flats[group].pieces(index, self.world):
-                layout.setdefault(owner, []).append((grad[start:end], group, offset))
+                piece = grad[start:end] if grad is not None else end - start  # zeros
+                layout.setdefault(owner, []).append((piece, group, offset))
+        buffer = self.flats[bucket.members[0][0]].buffer
         for owner in sorted(layout):
-            chunk = torch.cat([piece for piece, _, _ in layout[owner]])
+            chunk = torch.cat([p if torch.is_tensor(p) else buffer.new_zeros(p)
+                               for p, _, _ in layout[owner]])
             reduce_to_owner(chunk, owner, self.group)  # a global: faults can replace it
             if owner != self.rank:
                 continue
             chunk /= self.world
             position = 0
             for piece, group, offset in layout[owner]:
-                shard = self.flats[group].shard
-                if shard.grad is None:
-                    shard.grad = torch.zeros_like(shard)
-                n = piece.numel()
-                shard.grad[offset:offset + n] += chunk[position:position + n]
+                flat = self.flats[group]
+                if flat.grad is None:
+                    flat.grad = torch.zeros_like(flat.shard)
+                n = piece.numel() if torch.is_tensor(piece) else piece
+                flat.grad[offset:offset + n] += chunk[position:position + n]
                 position += n
+        bucket.grads = {}
 
     # -- step ------------------------------------------------------------------------------------
 
     @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the shard gradients so that the global gradient's norm is at most
+        ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` over the full gradients would;
+        returns the global norm. A collective: every rank must call it, after backward."""
+        if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or max_norm <= 0:
+            raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+        norm_type = float(norm_type)
+        grads = [f.grad for f in self.flats if f.grad is not None]
+        device = self.flats[0].buffer.device
+        if norm_type == float("inf"):
+            total = torch.stack([g.abs().max() for g in grads]).max() if grads else \
+                torch.zeros((), device=device)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
+        else:
+            total = sum((torch.linalg.vector_norm(g, norm_type) ** norm_type for g in grads),
+                        torch.zeros((), device=device))
+            dist.all_reduce(total, group=self.group)
+            total = total ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's own formula
+        for g in grads:
+            g.mul_(coef)
+        return total
+
+    @torch.no_grad()
     def step(self) -> None:
         """Step the owned pieces, then all-gather so every rank holds the full parameters."""
-        if self._bucket.grads:
-            raise RuntimeError("step() with gradients still in the bucket: backward did not end")
+        if any(b.grads for b in self._buckets):
+            raise RuntimeError("step() with gradients still in a bucket: backward did not end")
         self.optimizer.step()
         for flat in self.flats:
-            _all_gather(flat.buffer, flat.shard.detach().clone(), group=self.group)
+            # in place: the shard is this rank's slice of the output (as FSDP gathers), so the
+            # step holds no shard-sized copy
+            _all_gather(flat.buffer, flat.shard, group=self.group)
 
     def zero_grad(self) -> None:
+        self._got_grad.clear()
         for flat in self.flats:
-            flat.shard.grad = None
+            flat.grad = None
+            for _, piece, _, _ in flat.owned:
+                piece.grad = None
             for p in flat.params:
                 p.grad = None
 
@@ -232,7 +360,7 @@ class Zero2:
                 "shard_numel": [f.shard_numel for f in self.flats]}
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shards: their optimizer state and where they lie."""
+        """This rank's pieces: their optimizer state and where they lie."""
         return {"optimizer": self.optimizer.state_dict(), **self._layout()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -245,22 +373,40 @@ class Zero2:
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, Any]:
         """The state gathered from every rank, as ``optimizer_class`` built on the same param
-        groups (with names) would save it; a collective: every rank must call it."""
+        groups (with names) would save it; a collective: every rank must call it. A parameter
+        that never got a gradient has no state, as in a standard optimizer."""
+        if self.simulated:
+            raise ValueError("a fake process group holds no other rank's state to gather")
+        mine: dict[int, dict[str, Any]] = {}  # parameter number -> key -> [(start, piece)]
+        first = 0
+        for flat in self.flats:
+            for index, piece, _, start in flat.owned:
+                for key, value in self.optimizer.state.get(piece, {}).items():
+                    per_element = torch.is_tensor(value) and value.shape == piece.shape
+                    mine.setdefault(first + index, {}).setdefault(key, []).append(
+                        (start, value.detach().cpu().clone()) if per_element else (None, value))
+            first += len(flat.params)
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
         state: dict[int, dict[str, Any]] = {}
+        params = [p for f in self.flats for p in f.params]
+        for number in sorted({n for rank in every for n in rank}):
+            p = params[number]
+            merged: dict[str, list] = {}
+            for rank in every:
+                for key, parts in rank.get(number, {}).items():
+                    merged.setdefault(key, []).extend(parts)
+            entry = {}
+            for key, parts in sorted(merged.items()):
+                if parts[0][0] is None:  # a per-piece scalar (Adam's step): equal on each
+                    value = parts[0][1]
+                    entry[key] = value.to(p.device) if torch.is_tensor(value) else value
+                else:
+                    full = torch.cat([t for _, t in sorted(parts, key=lambda sp: sp[0])])
+                    entry[key] = full.view_as(p).to(p.device)
+            state[number] = entry
         param_groups, first = [], 0
         for flat, group in zip(self.flats, self.optimizer.param_groups):
-            shard_state = self.optimizer.state.get(flat.shard, {})
-            for key, value in sorted(shard_state.items()):
-                if torch.is_tensor(value) and value.shape == flat.shard.shape:
-                    full = torch.empty_like(flat.buffer)
-                    _all_gather(full, value.contiguous(), group=self.group)
-                    for i, (p, o) in enumerate(zip(flat.params, flat.offsets)):
-                        state.setdefault(first + i, {})[key] = full[o:o + p.numel()].view_as(
-                            p).clone()
-                else:  # per-shard scalars (Adam's step) are equal on every rank
-                    for i in range(len(flat.params)):
-                        state.setdefault(first + i, {})[key] = (
-                            value.clone() if torch.is_tensor(value) else value)
             param_groups.append({**{k: v for k, v in group.items() if k != "params"},
                                  "params": list(range(first, first + len(flat.params))),
                                  "param_names": [self.names[p] for p in flat.params]})
@@ -286,15 +432,57 @@ class Zero2:
         self.remove()
 
 
+def _refuse_reentrant_checkpoint(module: nn.Module, args: Any, output: Any) -> None:
+    if reentrant_checkpoint_in_graph(output):
+        raise RuntimeError(
+            "the model's output depends on torch.utils.checkpoint with use_reentrant=True: its "
+            "nested backward fires the hook of a parameter used inside and outside the "
+            "checkpoint once in each, after its bucket may have been reduced. Use "
+            "checkpoint(..., use_reentrant=False)")
+
+
+def _check_same_on_every_rank(groups: list[dict[str, Any]], names: dict, optimizer_class: type,
+                              bucket_numel: int, process_group: Any) -> None:
+    """Raise on every rank, naming the difference, unless every rank shards the same thing:
+    otherwise the reductions would not line up and the ranks would hang or mix gradients."""
+    mine = [f"optimizer {optimizer_class.__module__}.{optimizer_class.__qualname__}",
+            f"bucket_numel {bucket_numel}", f"{len(groups)} param groups"]
+    mine += [f"group {i}: '{names[p]}' {tuple(p.shape)} {p.dtype}"
+             for i, g in enumerate(groups) for p in g["params"]]
+    every: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(every, mine, group=process_group)
+    for rank, theirs in enumerate(every):
+        if theirs != every[0]:
+            diff = next(((a, b) for a, b in zip(every[0], theirs) if a != b),
+                        (f"{len(every[0])} entries", f"{len(theirs)} entries"))
+            raise ValueError(f"Zero2 differs between ranks: rank 0 has {diff[0]}, rank {rank} "
+                             f"has {diff[1]}; every rank must pass the same model, param "
+                             f"groups, optimizer class and bucket_numel")
+
+
+def _buckets(flats: list[_Flat], bucket_numel: int) -> list[_Bucket]:
+    """Fixed buckets: parameters in reverse registration order, the order in which backward
+    usually completes them, cut at ``bucket_numel`` elements."""
+    buckets: list[_Bucket] = []
+    members = [(g, i) for g, f in enumerate(flats) for i in range(len(f.params))][::-1]
+    for g, i in members:
+        n = flats[g].params[i].numel()
+        if not buckets or buckets[-1].numel + n > bucket_numel:
+            buckets.append(_Bucket([], 0))
+        buckets[-1].members.append((g, i))
+        buckets[-1].numel += n
+    return buckets
+
+
 def _groups(params: list[dict[str, Any]] | None, names: dict) -> list[dict[str, Any]]:
     """Validated param groups of trainable model parameters, one dtype each."""
     trainable = [p for p in names if p.requires_grad]
     params = [{"params": trainable}] if params is None else list(params)
     groups = ([dict(g) for g in params] if all(isinstance(g, dict) for g in params)
-              else [{"params": params}])  # a plain list of tensors is one group
+              else [{"params": params}])  # a plain list of tensors (or named ones): one group
     seen: set = set()
     for i, g in enumerate(groups):
-        g["params"] = list(g.get("params", []))
+        g["params"] = [unnamed(p) for p in g.get("params", [])]
         for p in g["params"]:
             if not isinstance(p, torch.Tensor) or p not in names or not p.requires_grad:
                 raise ValueError(f"param group {i} holds something that is not a trainable "
@@ -322,8 +510,14 @@ def _flatten(params: list[nn.Parameter], world: int, rank: int) -> _Flat:
     for p, o in zip(params, offsets):
         buffer[o:o + p.numel()].copy_(p.reshape(-1))
         p.data = buffer[o:o + p.numel()].view_as(p)  # the parameter now lives in the buffer
-    shard = nn.Parameter(buffer[rank * shard_numel:(rank + 1) * shard_numel])
-    return _Flat(params, offsets, buffer, shard, shard_numel)
+    flat = _Flat(params, offsets, buffer, buffer[rank * shard_numel:(rank + 1) * shard_numel],
+                 shard_numel)
+    for i in range(len(params)):
+        for owner, start, end, offset in flat.pieces(i, world):
+            if owner == rank:  # a leaf sharing the buffer's storage: the optimizer writes there
+                piece = nn.Parameter(flat.shard[offset:offset + end - start])
+                flat.owned.append((i, piece, offset, start))
+    return flat
 
 
 def trajectories(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -380,15 +574,15 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                     after_backward.append({
                         "param_grads": [n for n, p in model.named_parameters()
                                         if p.grad is not None],
-                        "shard_grad_numel": sum(f.shard.grad.numel() for f in zero.flats
-                                                if f.shard.grad is not None),
+                        "shard_grad_numel": sum(f.grad.numel() for f in zero.flats
+                                                if f.grad is not None),
                         "hook_calls": dict(zero.hook_calls),
                     })
                 zero.step()
                 zero.zero_grad()
                 snapshots.append({n: p.detach().cpu().clone()
                                   for n, p in model.named_parameters()})
-            result["full_state"] = zero.full_state_dict()
+            result["full_state"] = None if zero.simulated else zero.full_state_dict()
         except Exception as e:  # noqa: BLE001 - under a fault anything may break; say what
             if fault is None:
                 raise

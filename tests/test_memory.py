@@ -119,8 +119,49 @@ def test_measurement_is_deterministic_and_rejects_bad_input():
         measure(spec, "peer")
     with pytest.raises(ValueError, match="warmup must be >= 1"):
         measure(spec, warmup=0)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, world_size=2\), got 2"):
+        measure(spec, "zero2", world_size=2, rank=2)
     with pytest.raises(ValueError, match="unknown model 'vgg'"):
         ZooSpec("vgg")
+
+
+# -- the floor is a lower bound --------------------------------------------------------------------
+
+# Every strategy hookbench measures, and ZeRO-2 at each rank of 2 and at the first and last of 8
+# (ranks differ: rank 0's gradients come last, the last rank's first).
+FLOOR_CASES = [(s, {}) for s in (*STRATEGIES, "in_backward_grouped")] + [
+    ("zero2", {"world_size": w, "rank": r}) for w, r in ((2, 0), (2, 1), (8, 0), (8, 7))]
+
+
+def below_floor(result) -> str | None:
+    """What is wrong when a measured peak sits below its floor, which no step can do."""
+    if result.peak < result.floor:
+        return (f"{result.model}/{result.strategy}: peak {result.peak} below the floor "
+                f"{result.floor} ({result.above_floor:+.2%}; {result.floor_breakdown})")
+    return None
+
+
+@pytest.mark.parametrize("name", ["transformer", pytest.param("resnet18",
+                                                              marks=pytest.mark.torchvision)])
+@pytest.mark.parametrize("strategy, options", FLOOR_CASES)
+def test_every_measured_step_sits_at_or_above_its_floor(name, strategy, options):
+    kw = {"lr": 1e-3, "bucket_numel": 2**16} if strategy == "zero2" else None
+    r = measure(ZooSpec(name), strategy, optimizer_kwargs=kw, **options)
+    assert below_floor(r) is None
+    # ... and it is a floor, not a formality: the strategy's own gradients count in it.
+    assert r.floor_breakdown["gradients_needed"] > 0
+
+
+def test_a_floor_that_a_step_can_beat_is_caught():
+    # The ZeRO-2 floor before this check existed counted every gradient (as a standard step
+    # needs them), and a rank's measured peak sat 11.8% below it (transformer, rank 0 of 8).
+    from dataclasses import replace
+
+    r = measure(ZooSpec("transformer"), "zero2", world_size=8,
+                optimizer_kwargs={"lr": 1e-3, "bucket_numel": 2**16})
+    all_gradients = r.parameters + r.optimizer_state + max(r.activations_peak, r.all_gradients)
+    assert below_floor(replace(r, floor=all_gradients)) is not None
+    assert below_floor(r) is None
 
 
 # -- the tracker, cross-checked ------------------------------------------------------------------
