@@ -2,7 +2,7 @@
 
 Test tiers (markers are registered in pyproject.toml and enforced with --strict-markers):
 
-    pytest                              everything this machine can run (GPU tests skip), ~7 min
+    pytest                              everything this machine can run (GPU tests skip), ~4 min
     pytest -m "not slow"                the quick loop while developing
     pytest -m gpu                       the GPU tier; needs CUDA, each test skips with a reason
     pytest -m distributed               tests that spawn torch.distributed worker processes
@@ -27,7 +27,7 @@ import torch
 from hypothesis import HealthCheck, Phase, settings
 
 from hookbench.faults import FAULTS, inject
-from hookbench.leak_guard import HookLeakGuard
+from hookbench.leak_guard import HookLeakGuard, HookTracker
 
 # Each example trains small models for a few steps (tens of ms), so no per-example deadline:
 # a slow CI core must not turn into a flaky failure. Derandomized in CI so that a run passes the
@@ -169,16 +169,57 @@ def _seed():
         random.setstate(py_state)
 
 
-@pytest.fixture(autouse=True)
-def _no_leaked_hooks():
-    """Fail a test that leaves a module, tensor or global hook registered, naming each."""
-    guard = HookLeakGuard()
-    with guard:
-        yield
+# The hook-leak guard. One tracker for the whole session weakly records every module and
+# parameter built (from before collection on); each test, and each fixture of a wider scope,
+# is a guard over it: a hook added during the test, or during the fixture's setup, must be gone
+# when the test, or the fixture's teardown, ends (hookbench/leak_guard.py says what it can't see).
+_HOOK_TRACKER = pytest.StashKey[HookTracker]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_HOOK_TRACKER] = HookTracker().install()
+
+
+@pytest.hookimpl(trylast=True)  # after the last fixtures are torn down
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    tracker = session.config.stash.get(_HOOK_TRACKER, None)
+    if tracker is not None:
+        tracker.uninstall()
+
+
+def _fail_on_leaks(guard: HookLeakGuard, what: str) -> None:
     leaks = guard.leaks()
     guard.release()
     if leaks:
-        pytest.fail("hooks left registered after the test:\n  " + "\n  ".join(leaks))
+        pytest.fail(f"hooks left registered after {what}:\n  " + "\n  ".join(leaks),
+                    pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
+    """A module-, class-, package- or session-scoped fixture removes, by the end of its
+    teardown, the hooks it added in its setup; an error at that teardown names those left."""
+    tracker = request.config.stash.get(_HOOK_TRACKER, None)
+    if tracker is None or fixturedef.scope == "function":  # the test's own guard covers these
+        return (yield)
+    guard = HookLeakGuard(tracker)
+    # Added before the fixture's own teardown is, so it runs after it.
+    request.addfinalizer(lambda: _fail_on_leaks(
+        guard, f"the teardown of {fixturedef.scope}-scoped fixture '{fixturedef.argname}'"))
+    try:
+        with guard:
+            return (yield)
+    finally:
+        guard.release()  # what the fixture returns stays alive through its teardown anyway
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_hooks(request: pytest.FixtureRequest):
+    """Fail a test that leaves a hook it added registered: on a module or parameter it built, on
+    one that a fixture or anything else built since the session started, or a global one."""
+    with HookLeakGuard(request.config.stash.get(_HOOK_TRACKER, None)) as guard:
+        yield
+    _fail_on_leaks(guard, "the test")
 
 
 @pytest.fixture(autouse=True)
