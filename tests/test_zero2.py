@@ -357,13 +357,14 @@ def _conditions(rank, world):
                                   "full": zero.full_state_dict()}
     # Ranks that disagree on the model: refused on every rank, naming the difference.
     differs = torch.nn.Linear(6, 8 + rank)
+    before = [p.data_ptr() for p in differs.parameters()]
     try:
         zero2.Zero2(differs, torch.optim.SGD, lr=0.1)
         results["mismatch"] = None
     except ValueError as e:
-        results["mismatch"] = (str(e), [p.data_ptr() for p in differs.parameters()],
-                               [bool(p._post_accumulate_grad_hooks) for p in
-                                differs.parameters() if hasattr(p, "_post_accumulate_grad_hooks")])
+        results["mismatch"] = (str(e), before == [p.data_ptr() for p in differs.parameters()],
+                               [bool(getattr(p, "_post_accumulate_grad_hooks", None))
+                                for p in differs.parameters()])
     return results
 
 
@@ -449,10 +450,10 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(conditions):
 
 def test_ranks_that_disagree_are_refused_on_every_rank(conditions):
     for rank, got in enumerate(conditions):
-        message, _, hooks = got["mismatch"]
+        message, not_moved, hooks = got["mismatch"]
         assert "rank 0 has group 0: 'weight' (8, 6) torch.float32, rank 1 has group 0: " \
                "'weight' (9, 6) torch.float32" in message, message
-        assert not any(hooks)  # refused before the parameters were moved or hooked
+        assert not_moved and not any(hooks)  # refused before the parameters were moved or hooked
 
 
 def test_refused_before_anything_changes():
