@@ -222,10 +222,19 @@ def test_vit_l_memory_per_rank_follows_the_zero_formula(world):
 def test_real_gloo_ranks_agree_with_the_simulation():
     spec, kw = ZooSpec("transformer"), {"lr": 1e-3, "bucket_numel": 4096}
     real = launch.run(zero2.rank_memory, 2, spec, kw, timeout=120)
+    # Equal but for one reduction chunk: gloo's worker thread drops its reference to the
+    # chunk a moment after dist.reduce returns, so on a real rank the chunk may still be alive
+    # when the next allocation counts (seen once in CI: 4096 B over the simulation's peak).
+    # A chunk holds at most a bucket, or the one parameter larger than a bucket.
+    largest = max(p.numel() for p in spec.build().parameters())
+    chunk = -(-4 * max(kw["bucket_numel"], largest) // 512) * 512
     for rank, got in enumerate(real):
         simulated = measure(spec, "zero2", world_size=2, rank=rank, optimizer_kwargs=kw)
-        assert got["peak"] == simulated.peak
-        assert got["breakdown"] == simulated.peak_breakdown
+        assert simulated.peak <= got["peak"] <= simulated.peak + chunk, rank
+        # What lives through the whole step is the same to the byte (the moment of the peak,
+        # and so the split of the rest into activations and temporaries, can move with it).
+        for category in ("parameters", "optimizer_state"):
+            assert got["breakdown"][category] == simulated.peak_breakdown[category], rank
 
 
 # -- training conditions: unused parameters, clipping, mixed precision, loss scaling --------------
