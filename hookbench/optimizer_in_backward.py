@@ -353,9 +353,7 @@ def _normalize_groups(
         raw = list(params)
         if not raw:
             raise ValueError("params is empty")
-        if all(_is_named(g) for g in raw):
-            raw = [{"params": raw}]
-        if not all(isinstance(g, dict) for g in raw):
+        if not all(isinstance(g, dict) for g in raw):  # tensors or (name, tensor) pairs
             raw = [{"params": raw}]
     groups, seen = [], set()
     for i, group in enumerate(raw):
