@@ -23,7 +23,7 @@ import torch
 
 from hookbench import baselines, gate, launch, plot, report, zero2
 from hookbench.activation_capture import ActivationCapture
-from hookbench.coord_check import coord_check
+from hookbench.coord_check import QUANTITIES, coord_check, ratios
 from hookbench.faults import FAULTS
 from hookbench.memory import measure
 from hookbench.parity import compare, parameters_only, trajectory
@@ -221,21 +221,52 @@ _COLUMNS = ("mean", "std", "min", "max", "rms", "mean_abs")
 
 
 def _coord_check(args: argparse.Namespace) -> int:
-    widths = tuple(int(w) for w in args.widths.split(","))
+    try:
+        widths = tuple(int(w) for w in args.widths.split(","))
+    except ValueError:
+        raise ValueError(f"--widths must be comma-separated integers, got {args.widths!r}")
+    if args.peer and args.parametrization != "mup":
+        raise ValueError("--peer mup compares muP with the library's muP; use "
+                         "--parametrization mup")
+    options = dict(widths=widths, steps=args.steps, seeds=args.seeds, lr=args.lr,
+                   readout_zero_init=args.readout_init == "zero")
+    if args.peer:
+        try:
+            from hookbench.peers import microsoft_mup
+        except ImportError as e:
+            raise ImportError(f"--peer mup needs microsoft/mup (pip install -e '.[mup]'): {e}")
     _progress(f"training {args.model} ({args.parametrization}) at widths {widths}, "
               f"{args.seeds} seeds, {args.steps} steps ...")
-    result = coord_check(args.model, args.parametrization, widths=widths, steps=args.steps,
-                         seeds=args.seeds, lr=args.lr, band=args.band)
+    result = coord_check(args.model, args.parametrization, band=args.band, **options)
+    peer = None
+    if args.peer:
+        _progress("the same with microsoft/mup (MuReadout, set_base_shapes, MuAdam, "
+                  "get_coord_data) ...")
+        peer = microsoft_mup.coordinates(args.model, **options)
+    rows = [(layer, q, result.coords[layer][q]) for layer in result.coords for q in QUANTITIES]
+    if peer is not None:
+        rows = [row for layer in result.coords for row in (
+            *(r for r in rows if r[0] == layer), (layer, "coord. (mup)", peer[layer]))]
     name = max(len(n) for n in result.coords)
-    print(f"{'layer':{name}}  " + "  ".join(f"step {t:<3}" for t in range(result.steps + 1))
-          + "   (growth of mean |x| from the narrowest to any wider width)")
-    for layer in result.coords:
-        print(f"{layer:{name}}  " + "  ".join(
-            f"{result.growth(layer, t):7.2f}{'!' if result.growth(layer, t) > result.band else ' '}"
-            for t in range(result.steps + 1)))
+    print(f"{'layer':{name}}  {'':12}  " + "  ".join(f"{f'step {t}':^14}" for t in range(
+        result.steps + 1)) + "  (growth/shrinkage across widths; ! out of band)")
+    for layer, quantity, table in rows:
+        cells = []
+        for t, row in enumerate(table):
+            if quantity == "change" and t == 0:
+                cells.append(f"{'-':^14}")
+                continue
+            up, down = ratios(row)
+            mark = "!" if max(up, down) > result.band else " "
+            cells.append(f"{up:6.2f}/{down:<6.2f}{mark}")
+        print(f"{layer:{name}}  {quantity:12}  " + "  ".join(cells))
     png = plot.coord_check(result, Path(args.out) / f"coord-check-{args.model}-"
                                                     f"{args.parametrization}.png")
-    print(f"\n{result.verdict()}\nwrote {png}")
+    print(f"\n{result.verdict()}")
+    if peer is not None:
+        print(f"hookbench vs microsoft/mup: coordinates differ by at most "
+              f"{microsoft_mup.difference(result, peer):.2g} (relative)")
+    print(f"wrote {png}")
     return 0 if result.passed else 1
 
 
@@ -277,7 +308,13 @@ def main(argv: list[str] | None = None) -> int:
     coord.add_argument("--seeds", type=int, default=3)
     coord.add_argument("--lr", type=float, default=1e-2)
     coord.add_argument("--band", type=float, default=2.0,
-                       help="largest allowed growth of mean |x| across the widths")
+                       help="largest allowed growth or shrinkage across the widths")
+    coord.add_argument("--readout-init", choices=("zero", "random"), default="zero",
+                       help="zero (mup's coordinate check) or MuReadout's default random init, "
+                            "whose logits at init shrink as width^-1/2 by design")
+    coord.add_argument("--peer", choices=("mup",),
+                       help="also run microsoft/mup on the same graph, init, data and seeds and "
+                            "print its coordinates beside hookbench's (needs the mup extra)")
     coord.add_argument("--out", default="hookbench-out")
     coord.set_defaults(run=_coord_check)
 

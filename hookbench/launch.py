@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import pickle
 import socket
@@ -48,9 +49,12 @@ def _init(backend: str, port: int, rank: int, world: int, timeout: float) -> Non
 
 
 def _done() -> None:
-    # Every rank is done with the group before any tears it down (rank 0 also hosts the store
-    # the others talk to). Once, in CI, rank 0 aborted at teardown without this ("terminate
-    # called without an active exception", exit code -6); synchronizing first is the usual cure.
+    # Free what fn left behind while the interpreter is fully alive: FSDP2 keeps the gloo work
+    # of its last reduce-scatter in reference cycles, and a gloo work freed only at interpreter
+    # finalization aborts the process ("terminate called without an active exception", exit
+    # code -6; seen twice in full-suite runs, see pytorch/pytorch#179291). Then every rank is
+    # done with the group before any tears it down (rank 0 also hosts the store).
+    gc.collect()
     dist.barrier()
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from hookbench.coord_check import CoordCheck
+from hookbench.coord_check import QUANTITIES, CoordCheck
 from hookbench.memory import CATEGORIES, MemoryResult
 
 __all__ = ["coord_check", "memory_timeline"]
@@ -44,19 +44,27 @@ def memory_timeline(results: Sequence[MemoryResult], path: str | Path) -> Path:
 
 
 def coord_check(result: CoordCheck, path: str | Path) -> Path:
-    """Write the coordinate-check PNG: width against mean |x| on log-log axes, one panel per
-    step, one line per layer (flat lines: muP is right)."""
+    """Write the coordinate-check PNG: width against mean |x_t| (top row) and mean |x_t - x_0|
+    (bottom row) on log-log axes, one panel per step, one line per layer; each panel's title
+    gives its largest growth and shrinkage across widths (flat lines: muP is right)."""
     plt = _pyplot()
     steps = result.steps + 1
-    fig, axes = plt.subplots(1, steps, figsize=(3.2 * steps, 3.4), sharey=True, squeeze=False)
-    for t, ax in enumerate(axes[0]):
-        for layer, stats in result.coords.items():
-            ax.plot(result.widths, stats["mean_abs"][t], marker=".", lw=1, label=layer)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"step {t}", fontsize=9)
-        ax.set_xlabel("width")
-    axes[0][0].set_ylabel("mean |x|")
+    fig, axes = plt.subplots(2, steps, figsize=(3.2 * steps, 6.4), sharey="row", squeeze=False)
+    for row, quantity in enumerate(QUANTITIES):
+        for t, ax in enumerate(axes[row]):
+            cells = [c for c in result.cells() if c[1] == quantity and c[2] == t]
+            if not cells:  # no change at step 0
+                ax.axis("off")
+                continue
+            for layer, stats in result.coords.items():
+                ax.plot(result.widths, stats[quantity][t], marker=".", lw=1, label=layer)
+            up, down = max(c[3] for c in cells), max(c[4] for c in cells)
+            bad = " !" if max(up, down) > result.band else ""
+            ax.set_title(f"{quantity}, step {t}: up {up:.2f}x, down {down:.2f}x{bad}", fontsize=8)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("width")
+        axes[row][row].set_ylabel("mean |x_t|" if row == 0 else "mean |x_t - x_0|")
     axes[0][-1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle(result.verdict(), fontsize=8)
     return _save(fig, path)

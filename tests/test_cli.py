@@ -90,8 +90,33 @@ def test_coord_check_verdict_and_plot(capsys, tmp_path, parametrization, code):
             "--seeds", "1", "--out", str(tmp_path)]
     assert main(argv) == code
     out = capsys.readouterr().out
-    assert ("PASS" if code == 0 else "FAIL") in out
+    assert ("PASS" if code == 0 else "FAIL") in out and "both ways" in out
+    assert "out       change" in out and "growth/shrinkage across widths" in out
     assert (tmp_path / f"coord-check-mlp-{parametrization}.png").exists()
+
+
+def test_coord_check_beside_microsoft_mup(capsys, tmp_path):
+    pytest.importorskip("mup", reason="microsoft/mup is an optional peer: "
+                                      "pip install -e '.[mup]'")
+    argv = ["coord-check", "--peer", "mup", "--widths", "32,512", "--seeds", "1",
+            "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "out       coord. (mup)" in out
+    assert "hookbench vs microsoft/mup: coordinates differ by at most 0 (relative)" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--widths", "32,x"], "--widths must be comma-separated integers, got '32,x'"),
+    (["--widths", "64,32"], "widths must be at least two increasing values"),
+    (["--band", "0.5"], "band must be > 1"),
+    (["--peer", "mup", "--parametrization", "sp"], "--peer mup compares muP"),
+])
+def test_coord_check_bad_input_is_one_line_and_exit_2(capsys, tmp_path, argv, message):
+    assert main(["coord-check", *argv, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("hookbench coord-check: error: ") and message in err[-1]
+    assert not any(tmp_path.iterdir())  # nothing written
 
 
 @pytest.mark.distributed
