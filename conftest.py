@@ -10,7 +10,9 @@ Test tiers (markers are registered in pyproject.toml and enforced with --strict-
     pytest --benchmark-only             only the pytest-benchmark benchmarks
     pytest --benchmark-compare          compare with the newest run stored in baselines/benchmarks
     pytest --hookbench-fault NAME       the suite with a PyTorch fault injected: it must fail
-    tox -e torch213                     the suite on torch 2.13.0 (torchvision tests skip)
+    tox -e torch24 (torch28, torch211, torch213, torch215)
+                                        the suite on each release the gate claims (torchvision
+                                        tests skip with a reason)
     hookbench gate; hookbench selfcheck the upgrade gate against baselines/gate.json (README)
 
 Hypothesis profiles: ``ci`` (derandomized, no deadline, moderate examples; the default when the

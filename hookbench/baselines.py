@@ -64,12 +64,26 @@ def final_parameters(stored: dict[str, Any]) -> Snapshot:
 
 
 def load(path: str | Path = DEFAULT) -> dict[str, Any]:
+    """The stored baseline; a missing, unreadable or foreign file raises naming the file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
             f"no baseline at {path}: run hookbench from the checkout's root (where baselines/ "
             f"is), pass --baseline, or record one deliberately with `hookbench record`")
-    return json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a readable baseline ({e}); record one with "
+                         f"`hookbench record`") from None
+    recorded = data.get("recorded_with") if isinstance(data, dict) else None
+    if not isinstance(recorded, dict) or not {"torch", "cpu_capability"} <= set(recorded):
+        raise ValueError(f"{path}: not a hookbench baseline (no recorded_with.torch and "
+                         f".cpu_capability); record one with `hookbench record`")
+    wrong = sorted(k for k, v in data.items() if k != "recorded_with" and not isinstance(v, dict))
+    if wrong:
+        raise ValueError(f"{path}: sections {wrong} are not tables; the file is damaged or "
+                         f"from another tool")
+    return data
 
 
 def save(data: dict[str, Any], path: str | Path = DEFAULT) -> Path:

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,7 +47,35 @@ def _chosen(value: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
     return chosen
 
 
+def _output_dir(path: str, option: str = "--out") -> Path:
+    """The folder for a command's files, made and proven writable before anything is measured."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{option} {path}: exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise ValueError(f"{option} {path}: cannot write there ({e.strerror or e})") from None
+    return out
+
+
+def _writable_file(path: str, option: str) -> Path:
+    """A file a command will write at its end, checked before the minutes of measuring."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{option} {path}: is a folder, not a file")
+    _output_dir(str(target.parent), option)
+    if target.exists() and not os.access(target, os.W_OK):
+        raise ValueError(f"{option} {path}: cannot write there (read-only)")
+    return target
+
+
 def _backend(device: str) -> str:
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: the cuda backend needs CUDA, and "
+                         "torch.cuda.is_available() is False; use --device fake")
     return ("cuda" if torch.cuda.is_available() else "fake") if device == "auto" else device
 
 
@@ -53,33 +83,39 @@ def _report(args: argparse.Namespace) -> int:
     backend = _backend(args.device)
     chosen = _chosen(args.sections, SECTIONS, "report sections")
     spec = ZooSpec(args.model, batch_size=args.batch_size)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = _output_dir(args.out)
     sections, results, written = [], [], [out / "report.json"]
     if "contract" in chosen:
         sections.append(report.contract_section())
     if "optimizer" in chosen:
         sections.append(report.optimizer_in_backward_section())
     if "memory" in chosen:
+        stopped: dict[str, BaseException] = {}
         for strategy in report.MEMORY_STRATEGIES:
             started = time.perf_counter()
             _progress(f"measuring {spec.name} batch {spec.batch_size}, {strategy}, "
                       f"backend {backend} ...")
             snapshot = (out / f"snapshot-{spec.name}-{strategy}.pickle"
                         if backend == "cuda" else None)
-            results.append(measure(spec, strategy, backend=backend, snapshot_path=snapshot))
+            try:
+                results.append(measure(spec, strategy, backend=backend, snapshot_path=snapshot))
+            except Exception as e:  # noqa: BLE001 - a row that says what stopped it
+                stopped[strategy] = e
+                _progress(f"  stopped: {type(e).__name__}: {e}")
+                continue
             _progress(f"  peak {results[-1].peak / 1e9:.3f} GB "
                       f"({time.perf_counter() - started:.1f} s)")
-        sections.append(report.memory_section(results))
-        written.insert(0, plot.memory_timeline(results, out / "memory.png"))
+        sections.append(report.memory_section(results, stopped))
+        if results:
+            written.insert(0, plot.memory_timeline(results, out / "memory.png"))
     if "zero2" in chosen:
         by = {r.strategy: r for r in results}
         sections.append(report.zero2_section(spec, backend, by.get("foreach"),
                                              by.get("in_backward"), _progress))
     data = {"torch": torch.__version__, "backend": backend, "model": spec.name,
             "batch_size": spec.batch_size, "memory": [r.to_dict() for r in results],
-            "checks": [{"section": s.title, "row": list(cells), "ok": ok}
-                       for s in sections for cells, ok in s.rows]}
+            "checks": [{"section": s.title, "row": list(cells), "ok": bool(verdict),
+                        "verdict": verdict.name} for s in sections for cells, verdict in s.rows]}
     (out / "report.json").write_text(json.dumps(data, indent=1, default=str))
     print(report.render(sections))
     print(f"\nwrote {' and '.join(map(str, written))}"
@@ -145,10 +181,17 @@ def _zero2(args: argparse.Namespace) -> int:
 
 def _record(args: argparse.Namespace) -> int:
     models = _chosen(args.models, tuple(ZOO), "models")
+    sections = _chosen(args.sections, gate.SECTIONS, "gate sections")
+    target = _writable_file(args.baseline, "--baseline")
     _progress(f"recording the gate's baseline on torch {torch.__version__} (models "
               f"{', '.join(models)}; a few minutes) ...")
-    data = gate.record(models, _chosen(args.sections, gate.SECTIONS, "gate sections"))
-    path = baselines.save(data, args.baseline)
+    data = gate.record(models, sections)
+    failed = gate.failures(data)
+    if failed:  # a baseline is what the next torch must reproduce: never one with failures
+        print(f"hookbench record: NOT written: {len(failed)} measurements failed on torch "
+              f"{torch.__version__}:\n  " + "\n  ".join(failed))
+        return 1
+    path = baselines.save(data, target)
     print(f"wrote {path}: torch {data['recorded_with']['torch']} on "
           f"{data['recorded_with']['cpu_capability']}; " + ", ".join(
               f"{section} {len(data[section])}" for section in gate.SECTIONS if section in data))
@@ -158,14 +201,14 @@ def _record(args: argparse.Namespace) -> int:
 def _gate(args: argparse.Namespace) -> int:
     base = baselines.load(args.baseline)
     sections = _chosen(args.sections, gate.SECTIONS, "gate sections")
+    models = _chosen(args.models, tuple(ZOO), "models")
     device = _backend(args.device)
     _progress(f"gate: torch {torch.__version__} against the baseline of torch "
               f"{base['recorded_with']['torch']} ({args.baseline}) ...")
-    result = gate.gate(base, sections, _chosen(args.models, tuple(ZOO), "models"),
-                       args.fault, device, time_slack=args.time_slack)
+    result = gate.gate(base, sections, models, args.fault, device, time_slack=args.time_slack)
     print(report.render(list(result.values()), title="hookbench gate"))
     failed = [name for name, s in result.items() if not s.ok]
-    skipped = sum(cells[-1].startswith("SKIPPED") for s in result.values() for cells, _ in s.rows)
+    skipped = sum(s.skipped for s in result.values())
     print(f"baseline: torch {base['recorded_with']['torch']} on "
           f"{base['recorded_with']['cpu_capability']}; GATE "
           + (f"FAILED in {', '.join(failed)}" if failed else "PASSED")
@@ -176,8 +219,9 @@ def _gate(args: argparse.Namespace) -> int:
 def _selfcheck(args: argparse.Namespace) -> int:
     base = baselines.load(args.baseline)
     sections = _chosen(args.sections, gate.SECTIONS, "gate sections")
-    caught = gate.selfcheck(base, sections, _chosen(args.models, tuple(ZOO), "models"),
-                            _progress)
+    models = _chosen(args.models, tuple(ZOO), "models")
+    json_path = _writable_file(args.json, "--json") if args.json else None
+    caught = gate.selfcheck(base, sections, models, _progress)
     width = max(map(len, FAULTS))
     print(f"hookbench selfcheck: the gate under each injected fault, torch {torch.__version__}")
     for fault, failed in caught.items():
@@ -188,8 +232,8 @@ def _selfcheck(args: argparse.Namespace) -> int:
             print(f"  {fault:{width}}  " + ("CAUGHT by " + "; ".join(
                 f"{name} ({', '.join(rows[:3])}{', ...' if len(rows) > 3 else ''})"
                 for name, rows in failed.items()) if failed else "MISSED"))
-    if args.json:
-        Path(args.json).write_text(json.dumps({str(k): v for k, v in caught.items()}, indent=1))
+    if json_path:
+        json_path.write_text(json.dumps({str(k): v for k, v in caught.items()}, indent=1))
     missed = [f for f, failed in caught.items() if f is not None and not failed]
     ok = not caught[None] and not missed
     print(f"{sum(bool(v) for f, v in caught.items() if f)} of {len(FAULTS)} faults caught"
@@ -206,6 +250,10 @@ def _capture(args: argparse.Namespace) -> int:
                                             exclude=args.exclude or None, stats=args.stats) as cap:
         model(x)
     rows = cap.table()
+    if not rows:
+        raise ValueError("the selected modules produced no output in forward (a module whose "
+                         "forward is bypassed, such as nn.MultiheadAttention's out_proj, never "
+                         "runs its hooks)")
     width = max(len(f"{r['name']}{'.' + r['path'] if r['path'] else ''}") for r in rows)
     print(f"{spec.name}, batch {spec.batch_size}: {len(rows)} outputs from "
           f"{len({r['name'] for r in rows})} modules ({'statistics' if args.stats else 'tensors'})")
@@ -228,6 +276,7 @@ def _coord_check(args: argparse.Namespace) -> int:
     if args.peer and args.parametrization != "mup":
         raise ValueError("--peer mup compares muP with the library's muP; use "
                          "--parametrization mup")
+    out = _output_dir(args.out)
     options = dict(widths=widths, steps=args.steps, seeds=args.seeds, lr=args.lr,
                    readout_zero_init=args.readout_init == "zero")
     if args.peer:
@@ -260,7 +309,7 @@ def _coord_check(args: argparse.Namespace) -> int:
             mark = "!" if max(up, down) > result.band else " "
             cells.append(f"{up:6.2f}/{down:<6.2f}{mark}")
         print(f"{layer:{name}}  {quantity:12}  " + "  ".join(cells))
-    png = plot.coord_check(result, Path(args.out) / f"coord-check-{args.model}-"
+    png = plot.coord_check(result, out / f"coord-check-{args.model}-"
                                                     f"{args.parametrization}.png")
     print(f"\n{result.verdict()}")
     if peer is not None:
@@ -270,8 +319,16 @@ def _coord_check(args: argparse.Namespace) -> int:
     return 0 if result.passed else 1
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments: one line naming the problem, exit code 2 (not the usage block)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hookbench",
         description="Regression and verification suite for the PyTorch hooks behind "
                     "memory-saving training.",
@@ -358,10 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     sc.add_argument("--json", help="also write which section caught each fault here")
     sc.set_defaults(run=_selfcheck)
     args = parser.parse_args(argv)
-    for option in ("batch_size", "nproc", "steps", "seeds"):
+    for option in ("batch_size", "nproc", "steps", "seeds", "bucket_numel"):
         if getattr(args, option, 1) < 1:
             parser.error(f"--{option.replace('_', '-')} must be >= 1")
-    # A measurement that cannot run here (no CUDA, no baseline, no torchvision): say why.
+    # What cannot run here (bad arguments, no CUDA, no or a corrupt baseline): one line, exit 2.
     try:
         return args.run(args)
     except (RuntimeError, ValueError, FileNotFoundError, ImportError) as e:

@@ -5,7 +5,9 @@ broken version while ``inject(name)`` is active and restoring it in ``finally``:
 replace ``torch.Tensor.register_post_accumulate_grad_hook``; ``removal_does_nothing`` replaces
 ``RemovableHandle.remove``; ``optimizer_arithmetic_changed`` replaces the functional Adam that
 ``Adam`` and ``AdamW`` step through; collective faults replace the reduction ZeRO-2 sends
-gradients through (``hookbench.zero2.reduce_to_owner``). The fault tests, ``pytest
+gradients through (``hookbench.zero2.reduce_to_owner``); upgrade faults make a torch-private
+module unimportable, change a private API's signature (``FakeTensorMode``), or make the memory
+tracker miss allocations. The fault tests, ``pytest
 --hookbench-fault NAME`` and ``hookbench selfcheck`` run the checks under each fault and require
 that they fail.
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import sys
 from typing import Callable, Iterator
 
 import torch
@@ -126,6 +129,30 @@ def _low_precision(original: Callable) -> Callable:
     return reduce
 
 
+def _fake_tensor_mode_changed(original: type) -> type:
+    # A private API changes its signature in a release, as private APIs do: the measurement
+    # that calls it raises (a TypeError, not an ImportError), and must fail, not skip.
+    class Changed(original):
+        def __init__(self, *args, shape_env=None, **kwargs):
+            if shape_env is None:
+                raise TypeError("FakeTensorMode.__init__() missing 1 required keyword-only "
+                                "argument: 'shape_env' (injected fault)")
+            super().__init__(*args, shape_env=shape_env, **kwargs)
+
+    return Changed
+
+
+def _misses_forward_allocations(original: Callable) -> Callable:
+    # Ops run in forward stop reaching the dispatch mode (as a new C++-side decomposition
+    # might make them): the tracker sees no activations, and the peak drops.
+    def track(self, tensor, category=None):
+        if category is None and self.phase == "forward":
+            return
+        original(self, tensor, category)
+
+    return track
+
+
 def _hook_registration() -> tuple[object, str]:
     return torch.Tensor, "register_post_accumulate_grad_hook"
 
@@ -145,8 +172,39 @@ def _zero2_reduction() -> tuple[object, str]:
     return zero2, "reduce_to_owner"
 
 
-# name -> (where the broken function goes, how to break the original)
-FAULTS: dict[str, tuple[Callable[[], tuple[object, str]], Callable[[Callable], Callable]]] = {
+def _fake_tensor_mode() -> tuple[object, str]:
+    return importlib.import_module("torch._subclasses.fake_tensor"), "FakeTensorMode"
+
+
+def _memory_tracker() -> tuple[object, str]:
+    from hookbench.memory import StorageTracker
+
+    return StorageTracker, "track"
+
+
+@contextlib.contextmanager
+def _private_module_gone() -> Iterator[None]:
+    # A torch-private module hookbench imports (the fake process group that simulates N ranks
+    # for ZeRO-2's memory) stops importing, as private modules do between releases. None in
+    # sys.modules makes every import of it raise ImportError until restored.
+    name = "torch.testing._internal.distributed.fake_pg"
+    before = sys.modules.get(name, _ABSENT)
+    sys.modules[name] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if before is _ABSENT:
+            sys.modules.pop(name, None)
+        else:
+            sys.modules[name] = before
+
+
+_ABSENT = object()
+
+Swap = tuple[Callable[[], tuple[object, str]], Callable[[Callable], Callable]]
+
+# name -> (where the broken function goes, how to break the original), or a context manager
+FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "fires_twice": (_hook_registration, _fires_twice),
     "stops_after_first_backward": (_hook_registration, _stops_after_first_backward),
     "never_fires": (_hook_registration, _never_fires),
@@ -157,8 +215,12 @@ FAULTS: dict[str, tuple[Callable[[], tuple[object, str]], Callable[[Callable], C
     "optimizer_arithmetic_changed": (_functional_adam, _optimizer_arithmetic_changed),
     "collective_wrong_slice": (_zero2_reduction, _wrong_slice),
     "collective_low_precision": (_zero2_reduction, _low_precision),
+    "private_module_missing": _private_module_gone,
+    "private_api_changed": (_fake_tensor_mode, _fake_tensor_mode_changed),
+    "tracker_misses_allocations": (_memory_tracker, _misses_forward_allocations),
 }
-HOOK_FAULTS = [name for name, (where, _) in FAULTS.items() if where is _hook_registration]
+HOOK_FAULTS = [name for name, fault in FAULTS.items()
+               if isinstance(fault, tuple) and fault[0] is _hook_registration]
 
 
 @contextlib.contextmanager
@@ -169,7 +231,12 @@ def inject(name: str | None) -> Iterator[None]:
         return
     if name not in FAULTS:
         raise ValueError(f"unknown fault {name!r}; choose from {sorted(FAULTS)}")
-    where, breaks = FAULTS[name]
+    fault = FAULTS[name]
+    if not isinstance(fault, tuple):
+        with fault():
+            yield
+        return
+    where, breaks = fault
     owner, attribute = where()
     original = getattr(owner, attribute)
     setattr(owner, attribute, breaks(original))

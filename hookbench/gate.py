@@ -30,6 +30,7 @@ from hookbench.activation_capture import ActivationCapture
 from hookbench.faults import FAULTS, inject
 from hookbench.memory import CATEGORIES, measure
 from hookbench.parity import FAMILIES, compare, parameters_only, tolerance, training, trajectory
+from hookbench.prerequisites import MissingPrerequisite
 from hookbench.report import Section
 from hookbench.zoo import BENCHMARK_MLP, ZooSpec
 
@@ -58,13 +59,25 @@ TIME_TARGETS = {"in_backward_grouped_vs_foreach": 1.10, "capture_stats_vs_plain"
 
 
 def _attempt(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """A measurement, or what stopped it: a missing torchvision skips, an error is a result."""
+    """A measurement, or what stopped it: a declared prerequisite that is absent skips the row;
+    anything else (an ImportError of a torch module included) is an error the row names."""
     try:
         return fn()
-    except ImportError as e:
-        return {"skipped": f"{type(e).__name__}: {e}"}
+    except MissingPrerequisite as e:
+        return {"skipped": str(e)}
     except Exception as e:  # noqa: BLE001 - a failed row that says why, e.g. a hook that
         return {"error": f"{type(e).__name__}: {e}"}  # fired twice, refused
+
+
+CRASHED = "crashed"  # the key of a section whose measurement as a whole raised
+
+
+def _section(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A whole section's measurement: what stops it becomes one failed row, never a crash."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - named in the section's one failed row
+        return {CRASHED: f"{type(e).__name__}: {e}"}
 
 
 def _numerics() -> dict[str, Any]:
@@ -84,7 +97,9 @@ def zero2_runs(faults: list[str | None]) -> dict[str | None, list]:
             for i, fault in enumerate(faults)}
 
 
-def _zero2(runs: list) -> dict[str, Any]:
+def _zero2(runs: list | BaseException) -> dict[str, Any]:
+    if isinstance(runs, BaseException):  # the ranks crashed or ran late: the section fails
+        raise runs
     out = {}
     for name, case, ranks in zip(zero2.PARITY_OPTIMIZERS, zero2.parity_cases(), runs):
         problems = [f"rank {r}: {got['error']}" for r, got in enumerate(ranks) if got["error"]]
@@ -152,7 +167,8 @@ def _time() -> dict[str, Any]:
         with torch.no_grad(), ActivationCapture(captured, stats=("rms", "mean_abs")) as cap:
             return _ratio(lambda: (cap.clear(), captured(x), cap.table()), lambda: plain(x))
 
-    out["capture_stats_vs_plain"] = _attempt(lambda: {"ratio": capture()}).get("ratio")
+    value = _attempt(lambda: {"ratio": capture()})
+    out["capture_stats_vs_plain"] = value.get("ratio", value)  # or what stopped it
     return out
 
 
@@ -162,20 +178,39 @@ def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = 
     """Everything the baseline holds, measured on the installed torch (under ``fault``).
     ``zero2_ranks``: the ranks' results if already run (``selfcheck`` runs all at once)."""
     if "zero2" in sections and zero2_ranks is None:
-        zero2_ranks = zero2_runs([fault])[fault]
+        try:
+            zero2_ranks = zero2_runs([fault])[fault]
+        except Exception as e:  # noqa: BLE001 - a crashed or late rank fails the section
+            zero2_ranks = e
     out: dict[str, Any] = {"recorded_with": baselines.environment()}
     with inject(fault):
         if "hooks" in sections:
-            out["hooks"] = hook_contract.run_all()
+            out["hooks"] = _section(hook_contract.run_all)
         if "numerics" in sections:
-            out["numerics"] = _numerics()
+            out["numerics"] = _section(_numerics)
         if "zero2" in sections:
-            out["zero2"] = _zero2(zero2_ranks)
+            out["zero2"] = _section(lambda: _zero2(zero2_ranks))
         if "memory" in sections:
-            out["memory"] = _memory(models, device)
+            out["memory"] = _section(lambda: _memory(models, device))
         if "time" in sections:
-            out["time"] = _time()
+            out["time"] = _section(_time)
     return out
+
+
+def failures(measured: dict[str, Any]) -> list[str]:
+    """What failed outright in a measurement (``measure_all``): a crashed section, a row that
+    raised. ``hookbench record`` refuses to store a baseline with any."""
+    found = []
+    for section, rows in measured.items():
+        if section == "recorded_with" or not isinstance(rows, dict):
+            continue
+        if CRASHED in rows:
+            found.append(f"{section}: {rows[CRASHED]}")
+        found += [f"{section}/{key}: {value['error']}" for key, value in rows.items()
+                  if isinstance(value, dict) and "error" in value]
+        found += [f"{section}/{key}: {'; '.join(value['problems'])}" for key, value in
+                  rows.items() if isinstance(value, dict) and value.get("problems")]
+    return found
 
 
 def record(models: tuple[str, ...] = RECORD_MODELS,
@@ -201,8 +236,8 @@ def _hooks(base: dict, now: dict) -> Section:
 
 
 def _trajectory_verdict(base: dict | None, now: dict, tol, machine_note: str) -> tuple[bool, str]:
-    if "error" in now or now.get("problems"):
-        return False, "; ".join(now.get("problems", [])) or now["error"]
+    if now.get("problems"):
+        return False, "; ".join(now["problems"])
     if base is None or "sha256" not in base:
         return False, "no baseline recorded; record with `hookbench record`"
     if base["sha256"] == now["sha256"]:
@@ -214,6 +249,8 @@ def _trajectory_verdict(base: dict | None, now: dict, tol, machine_note: str) ->
 def _numerics_section(title: str, base: dict, now: dict, tol, machine_note: str) -> Section:
     section = Section(title, ("trajectory", "verdict"))
     for key, value in now.items():
+        if _unmeasured(section, key, value, blanks=0):
+            continue
         ok, verdict = _trajectory_verdict(base.get(key), value, tol, machine_note)
         section.add(ok, key, verdict)
     return section
@@ -227,12 +264,12 @@ def _memory_section(base: dict, now: dict, device: str) -> Section:
     slack = MEMORY_SLACK if device == "fake" else CUDA_SLACK
     section = Section(
         f"Peak memory per model and strategy (Adam, batch 1, backend {device}) against the "
-        f"baseline; fails {slack:.0%} above it", ("model/strategy", "recorded", "now", "verdict"))
+        f"baseline; fails {slack:.0%} above it" + (f" or below it (the fake backend counts "
+                                                  f"exactly)" if device == "fake" else ""),
+        ("model/strategy", "recorded", "now", "verdict"))
     for key, value in now.items():
         rec = base.get(key)
-        if "skipped" in value or "error" in value:
-            section.add("skipped" in value, key, "", "", f"SKIPPED: {value['skipped']}"
-                        if "skipped" in value else f"ERROR: {value['error']}")
+        if _unmeasured(section, key, value, blanks=2):
             continue
         if rec is None:
             section.add(False, key, "", _amount(value["peak"]), "no baseline recorded")
@@ -244,13 +281,32 @@ def _memory_section(base: dict, now: dict, device: str) -> Section:
                           value["gradients_alive_max"]))
         over = [f"{what} {_amount(n)} > recorded {_amount(r)} ({n / max(r, 1) - 1:+.1%})"
                 for what, r, n in pairs if n > r * (1 + slack) + (0 if r else 512)]
+        # Exact counting makes a drop as telling as a rise: memory that vanished is a tracker
+        # that stopped seeing allocations, or a real saving to re-record on purpose.
+        under = [f"{what} {_amount(n)} < recorded {_amount(r)} ({n / r - 1:+.1%})"
+                 for what, r, n in pairs if device == "fake" and n < r * (1 - slack)]
         if device != "fake" and value["peak"] < rec["peak"] * (1 - slack):
-            over.append(f"peak {_amount(value['peak'])} < fake estimate {_amount(rec['peak'])}")
+            under.append(f"peak {_amount(value['peak'])} < fake estimate {_amount(rec['peak'])}")
         changed = [what for what, r, n in pairs if n != r]
-        verdict = ("EXCEEDED: " + "; ".join(over) if over else
-                   f"changed: {', '.join(changed)}" if changed else "identical")
-        section.add(not over, key, _amount(rec["peak"]), _amount(value["peak"]), verdict)
+        verdict = ("; ".join(
+            (["EXCEEDED: " + "; ".join(over)] if over else [])
+            + (["DROPPED: " + "; ".join(under) + " (if intended, re-record on purpose with "
+                "`hookbench record`)"] if under else []))
+            or (f"changed: {', '.join(changed)}" if changed else "identical"))
+        section.add(not over and not under, key, _amount(rec["peak"]), _amount(value["peak"]),
+                    verdict)
     return section
+
+
+def _unmeasured(section: Section, key: str, value: Any, blanks: int) -> bool:
+    """Add the row of a measurement that did not run (skipped or failed); False if it ran."""
+    if not isinstance(value, dict) or not ({"skipped", "error"} & set(value)):
+        return False
+    if "skipped" in value:
+        section.skip(value["skipped"], key, *[""] * blanks)
+    else:
+        section.add(False, key, *[""] * blanks, f"FAILED: {value['error']}")
+    return True
 
 
 def _time_section(base: dict, now: dict, slack: float) -> Section:
@@ -258,9 +314,10 @@ def _time_section(base: dict, now: dict, slack: float) -> Section:
                       ("ratio", "recorded", "now", "verdict"))
     for key, ratio in now.items():
         rec = base.get(key)
-        if ratio is None or rec is None:
-            section.add(ratio is None, key, "", "", "SKIPPED: needs torchvision"
-                        if ratio is None else "no baseline recorded")
+        if _unmeasured(section, key, ratio, blanks=2):
+            continue
+        if not isinstance(rec, float):
+            section.add(False, key, "", f"{ratio:.2f}x", "no baseline recorded")
             continue
         ok = ratio <= rec * (1 + slack)
         target = TIME_TARGETS[key]
@@ -272,28 +329,43 @@ def _time_section(base: dict, now: dict, slack: float) -> Section:
 
 def check(base: dict[str, Any], now: dict[str, Any], parity: bool = True,
           time_slack: float = TIME_SLACK) -> dict[str, Section]:
-    """The gate's verdict by section: ``now`` (``measure_all``) against the baseline ``base``."""
-    out = {}
-    if "hooks" in now:
-        out["hooks"] = _hooks(base.get("hooks", {}), now["hooks"])
-    if parity:
-        out["parity"] = report.optimizer_in_backward_section()
+    """The gate's verdict by section: ``now`` (``measure_all``) against the baseline ``base``.
+    A section whose measurement crashed is one failed row naming the exception."""
     was, here = base["recorded_with"]["cpu_capability"], now["recorded_with"]["cpu_capability"]
     note = f" (recorded on {was}, this CPU runs {here})" if was != here else ""
-    if "numerics" in now:
-        out["numerics"] = _numerics_section(
-            "Training trajectories against their stored checksums", base.get("numerics", {}),
-            now["numerics"], tolerance("foreach", report.REPORT_SPEC.dtype), note)
-    if "zero2" in now:
-        out["zero2"] = _numerics_section(
+    judges: dict[str, Callable[[dict, dict], Section]] = {
+        "hooks": _hooks,
+        "numerics": lambda b, n: _numerics_section(
+            "Training trajectories against their stored checksums", b, n,
+            tolerance("foreach", report.REPORT_SPEC.dtype), note),
+        "zero2": lambda b, n: _numerics_section(
             "ZeRO-2 on 2 gloo ranks against single-process training and the stored checksum",
-            base.get("zero2", {}), now["zero2"], zero2.TOLERANCE, note)
-    if "memory" in now:
-        out["memory"] = _memory_section(base.get("memory", {}), now["memory"],
-                                        now.get("device", "fake"))
-    if "time" in now:
-        out["time"] = _time_section(base.get("time", {}), now["time"], time_slack)
+            b, n, zero2.TOLERANCE, note),
+        "memory": lambda b, n: _memory_section(b, n, now.get("device", "fake")),
+        "time": lambda b, n: _time_section(b, n, time_slack),
+    }
+    out = {}
+    for name in SECTIONS:
+        if name == "parity" and parity:
+            out[name] = _crash_safe(name, report.optimizer_in_backward_section)
+        elif name in now and CRASHED in now[name]:
+            out[name] = _stopped(name, now[name][CRASHED])
+        elif name in now:
+            out[name] = judges[name](base.get(name, {}), now[name])
     return out
+
+
+def _stopped(name: str, error: str) -> Section:
+    section = Section(f"{name}: the measurement stopped", ("section", "verdict"))
+    section.add(False, name, f"FAILED: {error}")
+    return section
+
+
+def _crash_safe(name: str, build: Callable[[], Section]) -> Section:
+    try:
+        return build()
+    except Exception as e:  # noqa: BLE001 - one failed row naming it
+        return _stopped(name, f"{type(e).__name__}: {e}")
 
 
 def gate(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,

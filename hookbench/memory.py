@@ -358,8 +358,9 @@ def _gradients_needed(model: nn.Module, strategy: str, tracker: StorageTracker,
 def _materialize(model: nn.Module) -> None:
     """Give a meta-device model fake CPU parameters and buffers (inside FakeTensorMode).
 
-    Building under FakeTensorMode directly fails: torchvision's ViT init calls trunc_normal_,
-    which loops on data. Initial values do not affect memory, so empty tensors do.
+    Building under FakeTensorMode directly fails: the ViT init (torchvision's, and so
+    hookbench.vision's) calls trunc_normal_, which loops on data. Initial values do not affect
+    memory, so empty tensors do.
     """
     new: dict[int, nn.Parameter] = {}
     for module in model.modules():

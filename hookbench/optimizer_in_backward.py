@@ -133,10 +133,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         # optimizer_class(model.named_parameters(), **defaults).
         template = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
         units = _build_units(model, optimizer_class, groups, defaults, grouped, first_group=0)
-        super().__init__(
-            [{**g, "params": [(names[p], p) for p in g["params"]]} for g in groups],
-            dict(template.defaults),
-        )
+        super().__init__([_named_group(g, names) for g in groups], dict(template.defaults))
 
         self.model = model
         self.optimizer_class = optimizer_class
@@ -251,8 +248,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         groups = _normalize_groups([param_group], names, self._kwargs, taken=mine)
         units = _build_units(self.model, self.optimizer_class, groups, self._kwargs,
                              self.grouped, first_group=len(self.param_groups))
-        super().add_param_group({**groups[0], "params": [(names[p], p)
-                                                         for p in groups[0]["params"]]})
+        super().add_param_group(_named_group(groups[0], names))
         self._attach(units)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> None:
@@ -276,7 +272,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
                             f"state '{key}' of parameter '{self._name(p)}' has shape "
                             f"{tuple(value.shape)}, the parameter has {tuple(p.shape)}"
                         )
+        names = [g["param_names"] for g in self.param_groups]
         super().load_state_dict(state_dict)  # validates group sizes before changing anything
+        for group, own in zip(self.param_groups, names):  # torch < 2.6 drops them from
+            group.setdefault("param_names", own)        # a checkpoint saved without names
         self._bind_inner_state()
 
     # -- lifetime ----------------------------------------------------------------------------
@@ -394,6 +393,14 @@ def _normalize_groups(
     if not any(t.requires_grad for g in groups for t in g["params"]):
         raise ValueError("no parameter requires grad: there is nothing to optimize")
     return groups
+
+
+def _named_group(group: dict[str, Any], names: dict) -> dict[str, Any]:
+    """A group with tensors under "params" and their names under "param_names": what torch >=
+    2.6 makes of ``(name, tensor)`` pairs, spelled out so that torch 2.4 and 2.5 (which accept
+    only tensors) hold the same groups and save the same state dict."""
+    return {**group, "params": list(group["params"]),
+            "param_names": [names[p] for p in group["params"]]}
 
 
 def _is_named(item: Any) -> bool:

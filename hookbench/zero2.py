@@ -41,6 +41,7 @@ the reduction. The gradient shard is allocated when the rank's first piece arriv
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -89,7 +90,17 @@ def reduce_to_owner(chunk: torch.Tensor, owner: int, group: Any) -> None:
 
     Module-level so that fault injection can replace the collective.
     """
-    dist.reduce(chunk, group=group, group_dst=owner)
+    if _REDUCE_HAS_GROUP_DST:
+        dist.reduce(chunk, group=group, group_dst=owner)
+    else:  # torch < 2.6: dst is a global rank
+        dist.reduce(chunk, dst=owner if group is None else dist.get_global_rank(group, owner),
+                    group=group)
+
+
+_REDUCE_HAS_GROUP_DST = "group_dst" in inspect.signature(dist.reduce).parameters  # torch 2.6
+# From torch 2.11 the c10d ops have Meta kernels (registered at import, pytorch#162119), so they
+# run under FakeTensorMode; before, they raise UnsupportedOperatorException there.
+_C10D_HAS_META = torch.__version__ >= (2, 11)
 
 
 # all_gather_single is the new name of all_gather_into_tensor (deprecated in torch 2.14)
@@ -188,6 +199,9 @@ class Zero2:
         # A fake process group (hookbench.memory simulating rank 0 of N) moves no data: its
         # other ranks are taken to do as this one does, and their state cannot be gathered.
         self.simulated = dist.get_backend(process_group) == "fake"
+        # Before torch 2.11 the c10d ops have no Meta kernel, so under FakeTensorMode (the fake
+        # memory backend) they raise; on a fake group they move no data: skip them there.
+        self._collectives = not self.simulated or _C10D_HAS_META
         if not self.simulated:
             _check_same_on_every_rank(groups, self.names, optimizer_class, bucket_numel,
                                       process_group)
@@ -293,7 +307,8 @@ class Zero2:
         for owner in sorted(layout):
             chunk = torch.cat([p if torch.is_tensor(p) else buffer.new_zeros(p)
                                for p, _, _ in layout[owner]])
-            reduce_to_owner(chunk, owner, self.group)  # a global: faults can replace it
+            if self._collectives:
+                reduce_to_owner(chunk, owner, self.group)  # a global: faults can replace it
             if owner != self.rank:
                 continue
             chunk /= self.world
@@ -342,7 +357,8 @@ class Zero2:
         for flat in self.flats:
             # in place: the shard is this rank's slice of the output (as FSDP gathers), so the
             # step holds no shard-sized copy
-            _all_gather(flat.buffer, flat.shard, group=self.group)
+            if self._collectives:
+                _all_gather(flat.buffer, flat.shard, group=self.group)
 
     def zero_grad(self) -> None:
         self._got_grad.clear()

@@ -2,10 +2,11 @@
 
 ``TinySpec`` describes a random small MLP or convnet (depth, width, activation, tied and frozen
 layers, dtype); hypothesis draws them in the property tests and ``hookbench report`` uses fixed
-ones. ``ZooSpec`` names a real model (torchvision's resnet18, vit_b_16, vit_l_16, and a small
-GPT-style transformer) for memory measurement and benchmarks. Both have ``build()``,
-``batch(index)`` and ``loss(output, target)``, so two strategies trained on the same spec see
-the same batches and differ only in how the optimizer is stepped.
+ones. ``ZooSpec`` names a real model (torchvision's resnet18, vit_b_16 and vit_l_16, rebuilt
+from torch.nn by ``hookbench.vision`` so that they need no torchvision, and a small GPT-style
+transformer) for memory measurement and benchmarks. Both have ``build()``, ``batch(index)`` and
+``loss(output, target)``, so two strategies trained on the same spec see the same batches and
+differ only in how the optimizer is stepped.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from hookbench import vision
 
 __all__ = ["ACTIVATIONS", "BENCHMARK_MLP", "ZOO", "TinySpec", "TinyTransformer", "ZooSpec"]
 
@@ -141,20 +144,12 @@ class TinyTransformer(nn.Module):
         return self.head(self.norm(self.blocks(h, mask=mask, is_causal=True)))
 
 
-def _torchvision(name: str):
-    def build() -> nn.Module:
-        import torchvision
-
-        return getattr(torchvision.models, name)()
-
-    return build
-
-
-# name -> (builder, input kind); images are 3x224x224 with 1000 classes.
+# name -> (builder, input kind); images are 3x224x224 with 1000 classes. The image models are
+# torchvision's, rebuilt without it (hookbench/vision.py; tests/test_vision.py proves them equal).
 ZOO = {
-    "resnet18": (_torchvision("resnet18"), "image"),
-    "vit_b_16": (_torchvision("vit_b_16"), "image"),
-    "vit_l_16": (_torchvision("vit_l_16"), "image"),
+    "resnet18": (vision.resnet18, "image"),
+    "vit_b_16": (vision.vit_b_16, "image"),
+    "vit_l_16": (vision.vit_l_16, "image"),
     "transformer": (TinyTransformer, "tokens"),
 }
 

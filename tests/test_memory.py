@@ -66,7 +66,6 @@ def check_fused_into_backward(result, standard) -> list[str]:
 # -- ViT-L/16, fake backend: the tutorial's figures ---------------------------------------------
 
 
-@pytest.mark.torchvision
 def test_standard_foreach_step_is_about_6_gb(vit_l, vit_l_sizes):
     r = vit_l("foreach")
     P, n, _ = vit_l_sizes
@@ -85,7 +84,6 @@ def test_standard_foreach_step_is_about_6_gb(vit_l, vit_l_sizes):
     assert r.peak == sum(b.values())
 
 
-@pytest.mark.torchvision
 def test_standard_forloop_and_fused_steps_have_their_own_breakdown(vit_l, vit_l_sizes):
     P, n, largest = vit_l_sizes
     state = 2 * P + 512 * n
@@ -101,7 +99,6 @@ def test_standard_forloop_and_fused_steps_have_their_own_breakdown(vit_l, vit_l_
         assert 4.8 * GB <= r.peak <= 5.0 * GB, strategy
 
 
-@pytest.mark.torchvision
 @pytest.mark.parametrize("strategy", ["in_backward", "in_backward_grouped_foreach"])
 def test_optimizer_in_backward_is_about_4_gb(vit_l, strategy):
     r = vit_l(strategy)
@@ -141,8 +138,7 @@ def below_floor(result) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("name", ["transformer", pytest.param("resnet18",
-                                                              marks=pytest.mark.torchvision)])
+@pytest.mark.parametrize("name", ["transformer", "resnet18"])
 @pytest.mark.parametrize("strategy, options", FLOOR_CASES)
 def test_every_measured_step_sits_at_or_above_its_floor(name, strategy, options):
     kw = {"lr": 1e-3, "bucket_numel": 2**16} if strategy == "zero2" else None
@@ -167,8 +163,7 @@ def test_a_floor_that_a_step_can_beat_is_caught():
 # -- the tracker, cross-checked ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", [pytest.param("resnet18", marks=pytest.mark.torchvision),
-                                  "transformer"])
+@pytest.mark.parametrize("name", ["resnet18", "transformer"])
 @pytest.mark.parametrize("strategy", ["foreach", "in_backward"])
 def test_fake_and_real_tensors_give_the_same_bytes(name, strategy):
     fake = measure(ZooSpec(name), strategy, backend="fake")
@@ -178,7 +173,6 @@ def test_fake_and_real_tensors_give_the_same_bytes(name, strategy):
     assert fake.timeline == real.timeline
 
 
-@pytest.mark.torchvision
 def test_agrees_with_torch_memtracker():
     mem_tracker = pytest.importorskip(
         "torch.distributed._tools.mem_tracker",
@@ -222,7 +216,6 @@ def test_cuda_backend_refuses_without_cuda():
 # -- an injected memory regression is caught ----------------------------------------------------
 
 
-@pytest.mark.torchvision
 def test_a_gradient_kept_alive_breaks_the_memory_checks(vit_l):
     with inject("keeps_gradients_alive"):
         leaky = measure(VIT_L, "in_backward")
@@ -244,7 +237,6 @@ def gpu_out(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.mark.torchvision
 @pytest.mark.gpu
 def test_gpu_vit_l_from_6_to_4_gb(gpu_out, vit_l):
     results = {}

@@ -298,6 +298,13 @@ def test_tied_parameter_steps_once_per_backward():
         assert len(opt.inner_optimizers) == len(list(model.parameters()))
 
 
+# torch.optim accepts (name, tensor) pairs (model.named_parameters()) from torch 2.6 (#134107)
+_NAMED_PARAMS = pytest.mark.skipif(
+    torch.__version__ < (2, 6),
+    reason=f"torch.optim takes named parameters from torch 2.6; this is {torch.__version__}")
+
+
+@_NAMED_PARAMS
 @pytest.mark.parametrize("grouped", [False, True])
 def test_state_dict_interchanges_with_a_standard_optimizer(grouped):
     spec = TinySpec(depth=3, tied=True, frozen=True)
@@ -322,6 +329,7 @@ def test_state_dict_interchanges_with_a_standard_optimizer(grouped):
                 assert torch.equal(back.state_dict()["state"][i][key], value)
 
 
+@_NAMED_PARAMS
 def test_state_dict_is_matched_by_parameter_name():
     # A checkpoint whose groups list the same parameters in another order loads by name.
     spec = TinySpec(depth=2)
@@ -650,6 +658,7 @@ def test_add_param_group_refuses_bad_groups_before_anything_changes():
                 [g["param_names"] for g in groups]
 
 
+@_NAMED_PARAMS
 def test_named_parameters_are_accepted_as_torch_optimizers_accept_them():
     model = _mlp()
     with OptimizerInBackward(model, torch.optim.Adam, model.named_parameters(), lr=1e-2) as opt:
@@ -661,7 +670,7 @@ def test_named_parameters_are_accepted_as_torch_optimizers_accept_them():
 # sees whole parameters, so even shape-dependent updates (Adafactor's factored second moment)
 # hold, bit for bit against the for-loop step.
 OTHER_OPTIMIZERS = {
-    "adafactor": (torch.optim.Adafactor, {"lr": 1e-2}),
+    "adafactor": (getattr(torch.optim, "Adafactor", None), {"lr": 1e-2}),  # torch >= 2.5
     "adamax": (torch.optim.Adamax, {"lr": 1e-2}),
     "nadam": (torch.optim.NAdam, {"lr": 1e-2}),
     "radam": (torch.optim.RAdam, {"lr": 1e-2}),
@@ -675,6 +684,8 @@ OTHER_OPTIMIZERS = {
 @pytest.mark.parametrize("name", OTHER_OPTIMIZERS)
 def test_other_optimizer_classes_are_bit_exact(name, grouped):
     cls, kw = OTHER_OPTIMIZERS[name]
+    if cls is None:
+        pytest.skip(f"torch.optim.{name.title()} needs torch >= 2.5; this is {torch.__version__}")
     (std, *_), (oib, *_) = _standard_and_in_backward(
         _mlp, cls, kw, BATCHES, lambda m, x, i: m(x).square().mean(), grouped)
     assert compare(oib, std).bit_exact, compare(oib, std).verdict()
