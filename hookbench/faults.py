@@ -161,9 +161,20 @@ def _handle_removal() -> tuple[object, str]:
     return torch.utils.hooks.RemovableHandle, "remove"
 
 
-def _functional_adam() -> tuple[object, str]:
-    # torch.optim deletes its submodule names; Adam.step calls this module's global ``adam``.
-    return importlib.import_module("torch.optim.adam"), "adam"
+@contextlib.contextmanager
+def _adam_arithmetic_changed() -> Iterator[None]:
+    # torch.optim deletes its submodule names; Adam.step calls torch.optim.adam's global
+    # ``adam``, and so does AdamW where it subclasses Adam (pytorch#143710); before that, AdamW
+    # steps through torch.optim.adamw's own ``adamw`` (torch 2.4 to 2.5), broken alike.
+    targets = [(importlib.import_module("torch.optim.adam"), "adam")]
+    if not issubclass(torch.optim.AdamW, torch.optim.Adam):
+        targets.append((importlib.import_module("torch.optim.adamw"), "adamw"))
+    with contextlib.ExitStack() as restore:
+        for owner, attribute in targets:
+            original = getattr(owner, attribute)
+            setattr(owner, attribute, _optimizer_arithmetic_changed(original))
+            restore.callback(setattr, owner, attribute, original)
+        yield
 
 
 def _zero2_reduction() -> tuple[object, str]:
@@ -212,7 +223,7 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "keeps_gradients_alive": (_hook_registration, _keeps_gradients_alive),
     "fires_late": (_hook_registration, _fires_late),
     "removal_does_nothing": (_handle_removal, _removal_does_nothing),
-    "optimizer_arithmetic_changed": (_functional_adam, _optimizer_arithmetic_changed),
+    "optimizer_arithmetic_changed": _adam_arithmetic_changed,
     "collective_wrong_slice": (_zero2_reduction, _wrong_slice),
     "collective_low_precision": (_zero2_reduction, _low_precision),
     "private_module_missing": _private_module_gone,

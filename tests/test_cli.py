@@ -160,3 +160,19 @@ def test_capture_of_modules_that_never_run_is_one_line_and_exit_2(capsys):
     assert main(["capture", "--model", "vit_b_16", "--include", out_proj]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "produced no output in forward" in err[0]
+
+
+def test_report_memory_rows_that_could_not_run_fail_or_skip_naming_why():
+    from hookbench import report
+    from hookbench.prerequisites import MissingPrerequisite
+
+    section = report.memory_section([], {
+        "fused": MissingPrerequisite("fused CPU Adam needs torch >= 2.4; this is 2.3.1"),
+        "zero2": ModuleNotFoundError("No module named 'torch.testing._internal.distributed'"),
+    })
+    (fused, skipped), (zero2, failed) = section.rows
+    assert skipped is report.Verdict.SKIPPED and fused[-1].startswith("SKIPPED: fused CPU Adam")
+    assert not failed and zero2[-1] == ("FAILED: ModuleNotFoundError: No module named "
+                                        "'torch.testing._internal.distributed'")
+    assert not section.ok and section.skipped == 1
+    assert len(fused) == len(zero2) == len(section.columns)
