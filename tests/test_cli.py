@@ -176,3 +176,16 @@ def test_report_memory_rows_that_could_not_run_fail_or_skip_naming_why():
                                         "'torch.testing._internal.distributed'")
     assert not section.ok and section.skipped == 1
     assert len(fused) == len(zero2) == len(section.columns)
+
+
+def test_a_torch_without_a_module_hookbench_loads_fails_in_one_line():
+    # As if a release moved torch.utils._pytree (private): the command says so and exits 1.
+    code = ("import sys, torch; sys.modules['torch.utils._pytree'] = None; "
+            "from hookbench.__main__ import main; sys.exit(main(['gate']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hookbench: FAILED: cannot load hookbench on "
+                                               f"torch {torch.__version__}: "), err
+    assert "torch.utils._pytree" in err[0]
