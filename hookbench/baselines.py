@@ -7,6 +7,8 @@
     hooks          each hook-contract check's outcome (null: it holds)
     numerics       per short deterministic trajectory: a SHA-256 of every step's parameters and
                    optimizer state, bit for bit, and the final parameters as numbers
+    collectives    per world size, collective and ReduceOp: "ok", "unsupported: ..." or
+                   "WRONG: ..." against a hand computation (``hookbench.collectives``)
     memory         per model/strategy: the fake backend's peak, its breakdown by category and
                    the most gradient bytes alive at once
     time           ratios of step times measured on the recording machine

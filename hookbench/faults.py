@@ -5,11 +5,11 @@ broken version while ``inject(name)`` is active and restoring it in ``finally``:
 replace ``torch.Tensor.register_post_accumulate_grad_hook``; ``removal_does_nothing`` replaces
 ``RemovableHandle.remove``; ``optimizer_arithmetic_changed`` replaces the functional Adam that
 ``Adam`` and ``AdamW`` step through; collective faults replace the reduction ZeRO-2 sends
-gradients through (``hookbench.zero2.reduce_to_owner``); upgrade faults make a torch-private
-module unimportable, change a private API's signature (``FakeTensorMode``), or make the memory
-tracker miss allocations. The fault tests, ``pytest
---hookbench-fault NAME`` and ``hookbench selfcheck`` run the checks under each fault and require
-that they fail.
+gradients through (``hookbench.zero2.reduce_to_owner``); ``reduce_scatter_ignores_op`` makes
+``torch.distributed``'s reduce-scatter sum whatever op it is given; upgrade faults make a
+torch-private module unimportable, change a private API's signature (``FakeTensorMode``), or
+make the memory tracker miss allocations. The fault tests, ``pytest --hookbench-fault NAME``
+and ``hookbench selfcheck`` run the checks under each fault and require that they fail.
 """
 
 from __future__ import annotations
@@ -210,6 +210,26 @@ def _private_module_gone() -> Iterator[None]:
             sys.modules[name] = before
 
 
+@contextlib.contextmanager
+def _reduce_scatter_ignores_op() -> Iterator[None]:
+    # gloo's reduce_scatter before torch 2.11 (pytorch#162338): every op is summed, so AVG,
+    # MAX, MIN and PRODUCT silently become SUM.
+    import torch.distributed as dist
+
+    with contextlib.ExitStack() as restore:
+        for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+            original = getattr(dist, name, None)
+            if original is None:
+                continue
+
+            def summed(output, input, op=None, *args, _original=original, **kwargs):
+                return _original(output, input, dist.ReduceOp.SUM, *args, **kwargs)
+
+            setattr(dist, name, summed)
+            restore.callback(setattr, dist, name, original)
+        yield
+
+
 _ABSENT = object()
 
 Swap = tuple[Callable[[], tuple[object, str]], Callable[[Callable], Callable]]
@@ -229,6 +249,7 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "private_module_missing": _private_module_gone,
     "private_api_changed": (_fake_tensor_mode, _fake_tensor_mode_changed),
     "tracker_misses_allocations": (_memory_tracker, _misses_forward_allocations),
+    "reduce_scatter_ignores_op": _reduce_scatter_ignores_op,
 }
 HOOK_FAULTS = [name for name, fault in FAULTS.items()
                if isinstance(fault, tuple) and fault[0] is _hook_registration]

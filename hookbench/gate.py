@@ -16,6 +16,10 @@ Sections (a failed row fails the gate):
               tolerance), no gradient left on a parameter, every hook once per backward
     memory    per model and strategy, the fake backend's peak, each category and the gradients
               alive at once at most 1% above the stored bytes (on CUDA: the peak within 5%)
+    collectives  all_reduce, reduce, reduce-scatter, all-gather and broadcast for each ReduceOp
+              on 2 and 3 gloo ranks against a hand computation (``hookbench.collectives``): an
+              outcome that changes fails (one that newly works passes, saying so), and a
+              silently wrong result always fails
     time      step-time ratios at most 50% (--time-slack) above the recorded ratio
 """
 
@@ -25,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from hookbench import baselines, hook_contract, launch, report, zero2
+from hookbench import baselines, collectives, hook_contract, launch, report, zero2
 from hookbench.activation_capture import ActivationCapture
 from hookbench.faults import FAULTS, inject
 from hookbench.memory import CATEGORIES, measure
@@ -36,7 +40,7 @@ from hookbench.zoo import BENCHMARK_MLP, ZooSpec
 
 __all__ = ["MODELS", "SECTIONS", "check", "measure_all", "record", "selfcheck"]
 
-SECTIONS = ("hooks", "parity", "numerics", "zero2", "memory", "time")
+SECTIONS = ("hooks", "parity", "numerics", "zero2", "collectives", "memory", "time")
 MODELS = ("transformer", "resnet18", "vit_b_16")  # the gate's default
 RECORD_MODELS = (*MODELS, "vit_l_16")  # recorded, so that --models vit_l_16 can be gated
 MEMORY_STRATEGIES = ("foreach", "forloop", "in_backward", "in_backward_grouped_foreach", "zero2")
@@ -190,6 +194,8 @@ def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = 
             out["numerics"] = _section(_numerics)
         if "zero2" in sections:
             out["zero2"] = _section(lambda: _zero2(zero2_ranks))
+        if "collectives" in sections:  # the fault goes into the ranks, as for ZeRO-2
+            out["collectives"] = _section(lambda: collectives.run_matrix(fault))
         if "memory" in sections:
             out["memory"] = _section(lambda: _memory(models, device))
         if "time" in sections:
@@ -309,6 +315,29 @@ def _unmeasured(section: Section, key: str, value: Any, blanks: int) -> bool:
     return True
 
 
+def _collectives_section(base: dict, now: dict) -> Section:
+    section = Section("Collectives on gloo against a hand computation and the baseline",
+                      ("ranks/collective/op", "recorded", "verdict"))
+    for key, outcome in now.items():
+        rec = base.get(key)
+        if outcome.startswith("WRONG"):  # never acceptable, whatever was recorded
+            ok, verdict = False, f"{outcome} (a silently wrong result)"
+        elif rec is None:
+            ok, verdict = False, f"{outcome}; no baseline recorded"
+        elif outcome == rec:
+            ok, verdict = True, "identical" if outcome == "ok" else f"identical: {outcome}"
+        elif outcome == "ok":
+            ok, verdict = True, f"newly supported (was {rec})"
+        else:
+            ok, verdict = False, f"CHANGED: {outcome}"
+        section.add(ok, key, rec.split(":")[0] if rec else "", verdict)
+    for key in sorted(set(base) - set(now)):  # a collective this torch does not have
+        name = key.split("/")[1]
+        section.skip(f"torch {torch.__version__} has no torch.distributed.{name}", key,
+                     base[key].split(":")[0])
+    return section
+
+
 def _time_section(base: dict, now: dict, slack: float) -> Section:
     section = Section(f"Step-time ratios against the baseline; fails {slack:.0%} above it",
                       ("ratio", "recorded", "now", "verdict"))
@@ -341,6 +370,7 @@ def check(base: dict[str, Any], now: dict[str, Any], parity: bool = True,
         "zero2": lambda b, n: _numerics_section(
             "ZeRO-2 on 2 gloo ranks against single-process training and the stored checksum",
             b, n, zero2.TOLERANCE, note),
+        "collectives": _collectives_section,
         "memory": lambda b, n: _memory_section(b, n, now.get("device", "fake")),
         "time": lambda b, n: _time_section(b, n, time_slack),
     }
@@ -391,7 +421,11 @@ def selfcheck(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
     caught = {}
     for fault in runs:
         progress(f"gate under {fault or 'no fault'} ...")
-        result = gate(base, sections, models, fault, zero2_ranks=ranks[fault])
+        # The collectives matrix (two starts of gloo ranks) runs clean and under the fault
+        # that targets torch.distributed; no other fault reaches it.
+        here = sections if fault in (None, "reduce_scatter_ignores_op") else tuple(
+            s for s in sections if s != "collectives")
+        result = gate(base, here, models, fault, zero2_ranks=ranks[fault])
         caught[fault] = {name: list(dict.fromkeys(cells[0] for cells, ok in s.rows if not ok))
                          for name, s in result.items() if not s.ok}
     return caught
