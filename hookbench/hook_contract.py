@@ -9,6 +9,7 @@ the bug is fixed the check fails, on purpose, so that the fix is noticed and rev
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Callable
 
@@ -194,6 +195,38 @@ def accumulate_grad_node_hook_lost_after_set_data() -> None:
             "pytorch#139742 looks fixed; review the peer and update this pin")
 
 
+def full_backward_hooks() -> None:
+    """Module full backward hooks, pinned as torch 2.4.1 to 2.15.0 behave: with no input that
+    requires grad, the pre-hook and the hook each fire once per backward and the hook's
+    ``grad_input`` is ``(None,)`` (from torch 2.8 with a warning, pytorch#155339); an in-place
+    op on a hooked module's output raises at that op ("... is a view and is being modified
+    inplace") instead of giving wrong gradients."""
+    lin = torch.nn.Linear(3, 2)
+    seen: list[tuple] = []
+    handles = [lin.register_full_backward_pre_hook(lambda m, go: seen.append(("pre", len(go)))),
+               lin.register_full_backward_hook(lambda m, gi, go: seen.append(("hook", gi)))]
+    inplace = None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the pytorch#155339 warning: pinned, not shown
+            lin(torch.ones(4, 3)).sum().backward()
+        try:
+            lin(torch.ones(4, 3, requires_grad=True)).relu_()
+        except RuntimeError as e:
+            inplace = str(e)
+    finally:
+        for h in handles:
+            h.remove()
+    _expect([kind for kind, _ in seen] == ["pre", "hook"],
+            f"full backward hooks fired {[kind for kind, _ in seen]}, expected pre then hook, "
+            f"once each")
+    _expect(seen[1][1] == (None,), f"grad_input was {seen[1][1]}, expected (None,) with no "
+                                   f"input requiring grad")
+    _expect(inplace is not None and "is being modified inplace" in inplace,
+            "an in-place op on a full-backward-hooked module's output did not raise"
+            + (f" the pinned error: {inplace}" if inplace else ""))
+
+
 CHECKS: list[Callable[[], None]] = [
     leaf_only,
     registration_order,
@@ -205,6 +238,7 @@ CHECKS: list[Callable[[], None]] = [
     retain_graph_second_backward,
     checkpoint_reentrant_fires_twice,
     accumulate_grad_node_hook_lost_after_set_data,
+    full_backward_hooks,
 ]
 
 
