@@ -90,19 +90,20 @@ def _report(args: argparse.Namespace) -> int:
     if "optimizer" in chosen:
         sections.append(report.optimizer_in_backward_section())
     if "memory" in chosen:
-        stopped: dict[str, BaseException] = {}
+        stopped: dict[str, dict[str, str]] = {}
         for strategy in report.MEMORY_STRATEGIES:
             started = time.perf_counter()
             _progress(f"measuring {spec.name} batch {spec.batch_size}, {strategy}, "
                       f"backend {backend} ...")
             snapshot = (out / f"snapshot-{spec.name}-{strategy}.pickle"
                         if backend == "cuda" else None)
-            try:
-                results.append(measure(spec, strategy, backend=backend, snapshot_path=snapshot))
-            except Exception as e:  # noqa: BLE001 - a row that says what stopped it
-                stopped[strategy] = e
-                _progress(f"  stopped: {type(e).__name__}: {e}")
+            got = report.attempt(lambda: {"result": measure(spec, strategy, backend=backend,
+                                                            snapshot_path=snapshot)})
+            if "result" not in got:
+                stopped[strategy] = got
+                _progress(f"  stopped: {got.get('error') or got['skipped']}")
                 continue
+            results.append(got["result"])
             _progress(f"  peak {results[-1].peak / 1e9:.3f} GB "
                       f"({time.perf_counter() - started:.1f} s)")
         sections.append(report.memory_section(results, stopped))

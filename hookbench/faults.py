@@ -129,6 +129,15 @@ def _low_precision(original: Callable) -> Callable:
     return reduce
 
 
+def _sums_whatever_op(original: Callable) -> Callable:
+    # gloo's reduce_scatter before torch 2.11 (pytorch#162338): every op is summed, so AVG,
+    # MAX, MIN and PRODUCT silently become SUM.
+    def reduce_scatter(output, input, op=None, *args, **kwargs):
+        return original(output, input, torch.distributed.ReduceOp.SUM, *args, **kwargs)
+
+    return reduce_scatter
+
+
 def _fake_tensor_mode_changed(original: type) -> type:
     # A private API changes its signature in a release, as private APIs do: the measurement
     # that calls it raises (a TypeError, not an ImportError), and must fail, not skip.
@@ -153,44 +162,38 @@ def _misses_forward_allocations(original: Callable) -> Callable:
     return track
 
 
-def _hook_registration() -> tuple[object, str]:
-    return torch.Tensor, "register_post_accumulate_grad_hook"
+def _hook_registration() -> list[tuple[object, str]]:
+    return [(torch.Tensor, "register_post_accumulate_grad_hook")]
 
 
-def _handle_removal() -> tuple[object, str]:
-    return torch.utils.hooks.RemovableHandle, "remove"
+def _handle_removal() -> list[tuple[object, str]]:
+    return [(torch.utils.hooks.RemovableHandle, "remove")]
 
 
-@contextlib.contextmanager
-def _adam_arithmetic_changed() -> Iterator[None]:
+def _functional_adams() -> list[tuple[object, str]]:
     # torch.optim deletes its submodule names; Adam.step calls torch.optim.adam's global
     # ``adam``, and so does AdamW where it subclasses Adam (pytorch#143710); before that, AdamW
     # steps through torch.optim.adamw's own ``adamw`` (torch 2.4 to 2.5), broken alike.
-    targets = [(importlib.import_module("torch.optim.adam"), "adam")]
+    places = [(importlib.import_module("torch.optim.adam"), "adam")]
     if not issubclass(torch.optim.AdamW, torch.optim.Adam):
-        targets.append((importlib.import_module("torch.optim.adamw"), "adamw"))
-    with contextlib.ExitStack() as restore:
-        for owner, attribute in targets:
-            original = getattr(owner, attribute)
-            setattr(owner, attribute, _optimizer_arithmetic_changed(original))
-            restore.callback(setattr, owner, attribute, original)
-        yield
+        places.append((importlib.import_module("torch.optim.adamw"), "adamw"))
+    return places
 
 
-def _zero2_reduction() -> tuple[object, str]:
+def _zero2_reduction() -> list[tuple[object, str]]:
     from hookbench import zero2
 
-    return zero2, "reduce_to_owner"
+    return [(zero2, "reduce_to_owner")]
 
 
-def _fake_tensor_mode() -> tuple[object, str]:
-    return importlib.import_module("torch._subclasses.fake_tensor"), "FakeTensorMode"
+def _fake_tensor_mode() -> list[tuple[object, str]]:
+    return [(importlib.import_module("torch._subclasses.fake_tensor"), "FakeTensorMode")]
 
 
-def _memory_tracker() -> tuple[object, str]:
+def _memory_tracker() -> list[tuple[object, str]]:
     from hookbench.memory import StorageTracker
 
-    return StorageTracker, "track"
+    return [(StorageTracker, "track")]
 
 
 @contextlib.contextmanager
@@ -210,31 +213,18 @@ def _private_module_gone() -> Iterator[None]:
             sys.modules[name] = before
 
 
-@contextlib.contextmanager
-def _reduce_scatter_ignores_op() -> Iterator[None]:
-    # gloo's reduce_scatter before torch 2.11 (pytorch#162338): every op is summed, so AVG,
-    # MAX, MIN and PRODUCT silently become SUM.
+def _reduce_scatters() -> list[tuple[object, str]]:
     import torch.distributed as dist
 
-    with contextlib.ExitStack() as restore:
-        for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
-            original = getattr(dist, name, None)
-            if original is None:
-                continue
-
-            def summed(output, input, op=None, *args, _original=original, **kwargs):
-                return _original(output, input, dist.ReduceOp.SUM, *args, **kwargs)
-
-            setattr(dist, name, summed)
-            restore.callback(setattr, dist, name, original)
-        yield
+    return [(dist, name) for name in ("reduce_scatter_tensor", "reduce_scatter_single")
+            if hasattr(dist, name)]  # reduce_scatter_single from torch 2.13
 
 
 _ABSENT = object()
 
-Swap = tuple[Callable[[], tuple[object, str]], Callable[[Callable], Callable]]
+Swap = tuple[Callable[[], list[tuple[object, str]]], Callable[[Callable], Callable]]
 
-# name -> (where the broken function goes, how to break the original), or a context manager
+# name -> (where the broken functions go, how to break each original), or a context manager
 FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "fires_twice": (_hook_registration, _fires_twice),
     "stops_after_first_backward": (_hook_registration, _stops_after_first_backward),
@@ -243,13 +233,13 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "keeps_gradients_alive": (_hook_registration, _keeps_gradients_alive),
     "fires_late": (_hook_registration, _fires_late),
     "removal_does_nothing": (_handle_removal, _removal_does_nothing),
-    "optimizer_arithmetic_changed": _adam_arithmetic_changed,
+    "optimizer_arithmetic_changed": (_functional_adams, _optimizer_arithmetic_changed),
     "collective_wrong_slice": (_zero2_reduction, _wrong_slice),
     "collective_low_precision": (_zero2_reduction, _low_precision),
     "private_module_missing": _private_module_gone,
     "private_api_changed": (_fake_tensor_mode, _fake_tensor_mode_changed),
     "tracker_misses_allocations": (_memory_tracker, _misses_forward_allocations),
-    "reduce_scatter_ignores_op": _reduce_scatter_ignores_op,
+    "reduce_scatter_ignores_op": (_reduce_scatters, _sums_whatever_op),
 }
 HOOK_FAULTS = [name for name, fault in FAULTS.items()
                if isinstance(fault, tuple) and fault[0] is _hook_registration]
@@ -269,10 +259,9 @@ def inject(name: str | None) -> Iterator[None]:
             yield
         return
     where, breaks = fault
-    owner, attribute = where()
-    original = getattr(owner, attribute)
-    setattr(owner, attribute, breaks(original))
-    try:
+    with contextlib.ExitStack() as restore:
+        for owner, attribute in where():
+            original = getattr(owner, attribute)
+            setattr(owner, attribute, breaks(original))
+            restore.callback(setattr, owner, attribute, original)
         yield
-    finally:
-        setattr(owner, attribute, original)

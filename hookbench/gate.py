@@ -34,7 +34,6 @@ from hookbench.activation_capture import ActivationCapture
 from hookbench.faults import FAULTS, inject
 from hookbench.memory import CATEGORIES, measure
 from hookbench.parity import FAMILIES, compare, parameters_only, tolerance, training, trajectory
-from hookbench.prerequisites import MissingPrerequisite
 from hookbench.report import Section
 from hookbench.zoo import BENCHMARK_MLP, ZooSpec
 
@@ -62,17 +61,6 @@ TIME_SLACK = 0.50
 TIME_TARGETS = {"in_backward_grouped_vs_foreach": 1.10, "capture_stats_vs_plain": 1.25}
 
 
-def _attempt(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """A measurement, or what stopped it: a declared prerequisite that is absent skips the row;
-    anything else (an ImportError of a torch module included) is an error the row names."""
-    try:
-        return fn()
-    except MissingPrerequisite as e:
-        return {"skipped": str(e)}
-    except Exception as e:  # noqa: BLE001 - a failed row that says why, e.g. a hook that
-        return {"error": f"{type(e).__name__}: {e}"}  # fired twice, refused
-
-
 CRASHED = "crashed"  # the key of a section whose measurement as a whole raised
 
 
@@ -86,7 +74,7 @@ def _section(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 def _numerics() -> dict[str, Any]:
     spec, steps, k = report.REPORT_SPEC, report.STEPS, report.ACCUMULATION
-    return {f"{family}/{strategy}": _attempt(lambda: baselines.fingerprint(
+    return {f"{family}/{strategy}": report.attempt(lambda: baselines.fingerprint(
                 trajectory(spec, cls, kw, strategy, steps=steps, accumulation=k)))
             for family, (cls, kw) in FAMILIES.items() for strategy in TRAJECTORY_STRATEGIES}
 
@@ -135,7 +123,7 @@ def _memory(models: tuple[str, ...], device: str) -> dict[str, Any]:
         return {"peak": r.peak, "breakdown": r.peak_breakdown,
                 "gradients_alive_max": r.gradients_alive_max}
 
-    return {f"{m}/{s}": _attempt(lambda: one(m, s)) for m in models for s in MEMORY_STRATEGIES}
+    return {f"{m}/{s}": report.attempt(lambda: one(m, s)) for m in models for s in MEMORY_STRATEGIES}
 
 
 def _ratio(slow: Callable[[], object], fast: Callable[[], object], rounds: int = 15) -> float:
@@ -171,7 +159,7 @@ def _time() -> dict[str, Any]:
         with torch.no_grad(), ActivationCapture(captured, stats=("rms", "mean_abs")) as cap:
             return _ratio(lambda: (cap.clear(), captured(x), cap.table()), lambda: plain(x))
 
-    value = _attempt(lambda: {"ratio": capture()})
+    value = report.attempt(lambda: {"ratio": capture()})
     out["capture_stats_vs_plain"] = value.get("ratio", value)  # or what stopped it
     return out
 
@@ -255,7 +243,7 @@ def _trajectory_verdict(base: dict | None, now: dict, tol, machine_note: str) ->
 def _numerics_section(title: str, base: dict, now: dict, tol, machine_note: str) -> Section:
     section = Section(title, ("trajectory", "verdict"))
     for key, value in now.items():
-        if _unmeasured(section, key, value, blanks=0):
+        if section.add_stopped(value, key):
             continue
         ok, verdict = _trajectory_verdict(base.get(key), value, tol, machine_note)
         section.add(ok, key, verdict)
@@ -275,7 +263,7 @@ def _memory_section(base: dict, now: dict, device: str) -> Section:
         ("model/strategy", "recorded", "now", "verdict"))
     for key, value in now.items():
         rec = base.get(key)
-        if _unmeasured(section, key, value, blanks=2):
+        if section.add_stopped(value, key):
             continue
         if rec is None:
             section.add(False, key, "", _amount(value["peak"]), "no baseline recorded")
@@ -302,17 +290,6 @@ def _memory_section(base: dict, now: dict, device: str) -> Section:
         section.add(not over and not under, key, _amount(rec["peak"]), _amount(value["peak"]),
                     verdict)
     return section
-
-
-def _unmeasured(section: Section, key: str, value: Any, blanks: int) -> bool:
-    """Add the row of a measurement that did not run (skipped or failed); False if it ran."""
-    if not isinstance(value, dict) or not ({"skipped", "error"} & set(value)):
-        return False
-    if "skipped" in value:
-        section.skip(value["skipped"], key, *[""] * blanks)
-    else:
-        section.add(False, key, *[""] * blanks, f"FAILED: {value['error']}")
-    return True
 
 
 def _collectives_section(base: dict, now: dict) -> Section:
@@ -343,7 +320,7 @@ def _time_section(base: dict, now: dict, slack: float) -> Section:
                       ("ratio", "recorded", "now", "verdict"))
     for key, ratio in now.items():
         rec = base.get(key)
-        if _unmeasured(section, key, ratio, blanks=2):
+        if section.add_stopped(ratio, key):
             continue
         if not isinstance(rec, float):
             section.add(False, key, "", f"{ratio:.2f}x", "no baseline recorded")

@@ -50,9 +50,10 @@ def coord_check(result: CoordCheck, path: str | Path) -> Path:
     plt = _pyplot()
     steps = result.steps + 1
     fig, axes = plt.subplots(2, steps, figsize=(3.2 * steps, 6.4), sharey="row", squeeze=False)
+    all_cells = result.cells()
     for row, quantity in enumerate(QUANTITIES):
         for t, ax in enumerate(axes[row]):
-            cells = [c for c in result.cells() if c[1] == quantity and c[2] == t]
+            cells = [c for c in all_cells if c[1] == quantity and c[2] == t]
             if not cells:  # no change at step 0
                 ax.axis("off")
                 continue

@@ -10,7 +10,7 @@ import enum
 import inspect
 import platform
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -31,12 +31,25 @@ __all__ = [
     "MEMORY_STRATEGIES",
     "Section",
     "Verdict",
+    "attempt",
     "contract_section",
     "memory_section",
     "optimizer_in_backward_section",
     "render",
     "zero2_section",
 ]
+
+
+def attempt(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A measurement, or what stopped it: ``{"skipped": reason}`` for a declared prerequisite
+    that is absent; ``{"error": "Type: message"}`` for anything else (an ImportError of a torch
+    module included)."""
+    try:
+        return fn()
+    except MissingPrerequisite as e:
+        return {"skipped": str(e)}
+    except Exception as e:  # noqa: BLE001 - a failed row that says why, e.g. a hook that
+        return {"error": f"{type(e).__name__}: {e}"}  # fired twice, refused
 
 
 class Verdict(enum.Enum):
@@ -64,17 +77,24 @@ class Section:
         """A row not checked because a declared optional prerequisite is absent."""
         self.rows.append(((*cells, f"SKIPPED: {reason}"), Verdict.SKIPPED))
 
+    def add_stopped(self, value: Any, *cells: str) -> bool:
+        """The row of a measurement that did not run (``attempt`` returned ``{"skipped": ...}``
+        or ``{"error": ...}``), blank in the columns between; False if ``value`` is a result."""
+        if not isinstance(value, dict) or not {"skipped", "error"} & set(value):
+            return False
+        cells = (*cells, *[""] * (len(self.columns) - len(cells) - 1))
+        if "skipped" in value:
+            self.skip(value["skipped"], *cells)
+        else:
+            self.add(False, *cells, f"FAILED: {value['error']}")
+        return True
+
     def attempt(self, *cells: str, check: Callable[[], tuple[bool, str]]) -> None:
         """A row whose verdict ``check`` computes: SKIPPED for a missing prerequisite, FAILED
         naming the exception for anything else that stops it."""
-        try:
-            ok, verdict = check()
-        except MissingPrerequisite as e:
-            self.skip(str(e), *cells)
-        except Exception as e:  # noqa: BLE001 - the row says what stopped it
-            self.add(False, *cells, f"FAILED: {type(e).__name__}: {e}")
-        else:
-            self.add(ok, *cells, verdict)
+        value = attempt(lambda: dict(zip(("ok", "verdict"), check())))
+        if not self.add_stopped(value, *cells):
+            self.add(value["ok"], *cells, value["verdict"])
 
     @property
     def ok(self) -> bool:
@@ -149,11 +169,11 @@ MEMORY_STRATEGIES = ("foreach", "forloop", "fused", "in_backward", "in_backward_
 
 
 def memory_section(results: list[MemoryResult],
-                   stopped: dict[str, BaseException] | None = None) -> Section:
+                   stopped: dict[str, dict[str, str]] | None = None) -> Section:
     """Peak and breakdown per strategy, the distance to the floor and the saving against the
     standard foreach step. A row fails when an in-backward strategy does not beat the standard
-    step or ever holds every gradient at once; ``stopped``: strategies whose measurement raised
-    (a failed row naming the exception, or SKIPPED for a missing prerequisite)."""
+    step or ever holds every gradient at once; ``stopped``: what stopped a strategy's
+    measurement (``attempt``), a row SKIPPED or FAILED saying so."""
     columns = ("strategy", "peak", "params", "grads", "opt state", "activations", "temporaries",
                "floor", "vs floor", "vs foreach", "grads alive at once")
     first = results[0] if results else None
@@ -173,12 +193,8 @@ def memory_section(results: list[MemoryResult],
             "" if standard is None else f"{r.peak / standard.peak - 1:+.1%}",
             f"{r.gradients_alive_max / 1e9:.3f} of {r.all_gradients / 1e9:.3f}",
         )
-    blanks = [""] * (len(columns) - 2)
-    for strategy, error in (stopped or {}).items():
-        if isinstance(error, MissingPrerequisite):
-            section.skip(str(error), strategy, *blanks)
-        else:
-            section.add(False, strategy, *blanks, f"FAILED: {type(error).__name__}: {error}")
+    for strategy, value in (stopped or {}).items():
+        section.add_stopped(value, strategy)
     return section
 
 

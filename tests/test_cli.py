@@ -166,10 +166,14 @@ def test_report_memory_rows_that_could_not_run_fail_or_skip_naming_why():
     from hookbench import report
     from hookbench.prerequisites import MissingPrerequisite
 
-    section = report.memory_section([], {
-        "fused": MissingPrerequisite("fused CPU Adam needs torch >= 2.4; this is 2.3.1"),
-        "zero2": ModuleNotFoundError("No module named 'torch.testing._internal.distributed'"),
-    })
+    def needs():
+        raise MissingPrerequisite("fused CPU Adam needs torch >= 2.4; this is 2.3.1")
+
+    def gone():
+        raise ModuleNotFoundError("No module named 'torch.testing._internal.distributed'")
+
+    section = report.memory_section([], {"fused": report.attempt(needs),
+                                         "zero2": report.attempt(gone)})
     (fused, skipped), (zero2, failed) = section.rows
     assert skipped is report.Verdict.SKIPPED and fused[-1].startswith("SKIPPED: fused CPU Adam")
     assert not failed and zero2[-1] == ("FAILED: ModuleNotFoundError: No module named "

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hookbench import baselines, gate
+from hookbench import baselines, gate, report
 from hookbench.cli import main
 from hookbench.faults import FAULTS, inject
 from hookbench.report import render
@@ -155,7 +155,8 @@ def test_a_missing_prerequisite_skips_and_says_which(base):
     def broken() -> dict:
         raise ImportError("cannot import name 'FakeStore'")
 
-    now = {"transformer/foreach": gate._attempt(needs), "transformer/forloop": gate._attempt(broken)}
+    now = {"transformer/foreach": report.attempt(needs),
+           "transformer/forloop": report.attempt(broken)}
     section = _judge(base, {"memory": now})["memory"]
     (skip_cells, skipped), (fail_cells, failed) = section.rows
     assert skipped and skipped.name == "SKIPPED" and section.skipped == 1
