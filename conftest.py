@@ -224,7 +224,9 @@ def _no_leaked_hooks(request: pytest.FixtureRequest):
     _fail_on_leaks(guard, "the test")
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="session")
 def _injected_fault(request: pytest.FixtureRequest):
+    # Session-wide, so that module-scoped fixtures (a gate section measured once per file)
+    # run under the fault too.
     with inject(request.config.getoption("--hookbench-fault")):
         yield

@@ -408,6 +408,7 @@ class ActivationCapture:
 
     # -- hook --------------------------------------------------------------------------------
 
+    @torch.compiler.disable  # recording is eager work: one graph break, never a recompile
     def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
         name = self.names.get(id(module))
         if name is None:  # the global hook sees every module of every model

@@ -9,6 +9,12 @@
                    optimizer state, bit for bit, and the final parameters as numbers
     collectives    per world size, collective and ReduceOp: "ok", "unsupported: ..." or
                    "WRONG: ..." against a hand computation (``hookbench.collectives``)
+    checkpoints    per optimizer family and variant: the schema of the checkpoint file (kept
+                   in checkpoints/ beside this file), the schema of the state saved again after
+                   resuming, and the continuation's checksum (``hookbench.checkpoints``)
+    compile        per backend and check: None where a compiled model's hooks behave as in
+                   eager, else the difference (``hookbench.compiled_hooks``)
+    warnings       per mechanism's run: the warnings it emitted (``hookbench.emitted_warnings``)
     memory         per model/strategy: the fake backend's peak, its breakdown by category and
                    the most gradient bytes alive at once
     time           ratios of step times measured on the recording machine

@@ -6,7 +6,8 @@
     hookbench coord-check   the muP coordinate check: width sweep, verdict, plot; exits 1 on FAIL
     hookbench zero2         ZeRO-2 demo: per-rank peak memory and parity; under torchrun
                             (torchrun --nproc-per-node 2 -m hookbench.cli zero2) or spawning
-    hookbench record        record the upgrade gate's baseline (baselines/gate.json) on purpose
+    hookbench record        record the upgrade gate's baseline (baselines/gate.json and the
+                            checkpoint files in baselines/checkpoints/) on purpose
     hookbench gate          the installed torch against that baseline; exits 1 on a regression
     hookbench selfcheck     the gate under every injected fault; exits 1 unless all are caught
 """
@@ -186,17 +187,29 @@ def _record(args: argparse.Namespace) -> int:
     target = _writable_file(args.baseline, "--baseline")
     _progress(f"recording the gate's baseline on torch {torch.__version__} (models "
               f"{', '.join(models)}; a few minutes) ...")
-    data = gate.record(models, sections)
-    failed = gate.failures(data)
-    if failed:  # a baseline is what the next torch must reproduce: never one with failures
-        print(f"hookbench record: NOT written: {len(failed)} measurements failed on torch "
-              f"{torch.__version__}:\n  " + "\n  ".join(failed))
-        return 1
+    with tempfile.TemporaryDirectory() as staging:  # files land only with a good baseline
+        data = gate.record(models, sections, staging)
+        failed = gate.failures(data)
+        if failed:  # a baseline is what the next torch must reproduce: never one with failures
+            print(f"hookbench record: NOT written: {len(failed)} measurements failed on torch "
+                  f"{torch.__version__}:\n  " + "\n  ".join(failed))
+            return 1
+        if "checkpoints" in sections:
+            folder = _checkpoint_dir(target)
+            folder.mkdir(parents=True, exist_ok=True)
+            for old in folder.glob("*.pt"):
+                old.unlink()
+            for new in Path(staging).glob("*.pt"):
+                (folder / new.name).write_bytes(new.read_bytes())
     path = baselines.save(data, target)
     print(f"wrote {path}: torch {data['recorded_with']['torch']} on "
           f"{data['recorded_with']['cpu_capability']}; " + ", ".join(
               f"{section} {len(data[section])}" for section in gate.SECTIONS if section in data))
     return 0
+
+
+def _checkpoint_dir(baseline: str | Path) -> Path:
+    return Path(baseline).parent / gate.CHECKPOINTS
 
 
 def _gate(args: argparse.Namespace) -> int:
@@ -206,7 +219,9 @@ def _gate(args: argparse.Namespace) -> int:
     device = _backend(args.device)
     _progress(f"gate: torch {torch.__version__} against the baseline of torch "
               f"{base['recorded_with']['torch']} ({args.baseline}) ...")
-    result = gate.gate(base, sections, models, args.fault, device, time_slack=args.time_slack)
+    result = gate.gate(base, sections, models, args.fault, device, time_slack=args.time_slack,
+                       checkpoint_dir=_checkpoint_dir(args.baseline),
+                       strict_warnings=args.strict_warnings)
     print(report.render(list(result.values()), title="hookbench gate"))
     failed = [name for name, s in result.items() if not s.ok]
     skipped = sum(s.skipped for s in result.values())
@@ -222,7 +237,7 @@ def _selfcheck(args: argparse.Namespace) -> int:
     sections = _chosen(args.sections, gate.SECTIONS, "gate sections")
     models = _chosen(args.models, tuple(ZOO), "models")
     json_path = _writable_file(args.json, "--json") if args.json else None
-    caught = gate.selfcheck(base, sections, models, _progress)
+    caught = gate.selfcheck(base, sections, models, _progress, _checkpoint_dir(args.baseline))
     width = max(map(len, FAULTS))
     print(f"hookbench selfcheck: the gate under each injected fault, torch {torch.__version__}")
     for fault, failed in caught.items():
@@ -409,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     gt.add_argument("--time-slack", type=float, default=gate.TIME_SLACK,
                     help="fail a step-time ratio this fraction above the recorded one "
                          "(default: %(default)s, for shared CI machines)")
+    gt.add_argument("--strict-warnings", action="store_true",
+                    help="fail on a warning a mechanism's run emits that the baseline did not "
+                         "record, or one that vanished (default: list them only)")
     gt.set_defaults(run=_gate)
     sc = commands.add_parser("selfcheck", help="run the gate under every injected fault: each "
                                                "must be caught and the clean run must pass")

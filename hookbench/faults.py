@@ -8,7 +8,11 @@ replace ``torch.Tensor.register_post_accumulate_grad_hook``; ``removal_does_noth
 gradients through (``hookbench.zero2.reduce_to_owner``); ``reduce_scatter_ignores_op`` makes
 ``torch.distributed``'s reduce-scatter sum whatever op it is given; upgrade faults make a
 torch-private module unimportable, change a private API's signature (``FakeTensorMode``), or
-make the memory tracker miss allocations. The fault tests, ``pytest --hookbench-fault NAME``
+make the memory tracker miss allocations; checkpoint faults load ``step`` as another dtype or
+save a param-group key under a new name; ``new_warning`` makes forward-hook registration warn;
+``compiled_module_skips_forward_hooks`` makes a ``torch.compile``'d model skip its submodules'
+forward hooks.
+The fault tests, ``pytest --hookbench-fault NAME``
 and ``hookbench selfcheck`` run the checks under each fault and require that they fail.
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
+import warnings
 from typing import Callable, Iterator
 
 import torch
@@ -162,6 +167,62 @@ def _misses_forward_allocations(original: Callable) -> Callable:
     return track
 
 
+def _loads_step_as_float64(original: Callable) -> Callable:
+    # A release loads a checkpoint's ``step`` as float64 (pytorch#110940, #115841 moved it
+    # between dtypes): the arithmetic is identical, the state saved next is not.
+    def process(param, value, param_id, param_groups, key=None):
+        value = original(param, value, param_id, param_groups, key)
+        return value.to(torch.float64) if key == "step" else value
+
+    return process
+
+
+def _renames_a_key(original: Callable) -> Callable:
+    # A release saves a param-group key under a new name, as AdamW's new
+    # ``decoupled_weight_decay`` (pytorch#143710) and ``param_names`` (#134107) were additions.
+    def state_dict(self):
+        saved = original(self)
+        for group in saved["param_groups"]:
+            if "weight_decay" in group:
+                group["weight_decay_rate"] = group.pop("weight_decay")
+        return saved
+
+    return state_dict
+
+
+def _warns_on_registration(original: Callable) -> Callable:
+    # A release deprecates an API the mechanisms call: every forward hook registration warns.
+    def register(self, *args, **kwargs):
+        warnings.warn("Module.register_forward_hook will change its signature in a future "
+                      "release (injected fault)", FutureWarning, stacklevel=2)
+        return original(self, *args, **kwargs)
+
+    return register
+
+
+def _skips_submodule_forward_hooks(original: Callable) -> Callable:
+    # A compiled model whose submodules' forward hooks stop running (as hooks added after
+    # compilation did, pytorch#117758): while each call runs they are emptied, so dynamo
+    # traces, and any eager fallback runs, a forward without them; restored afterwards in the
+    # same order, with any registered during the call kept after them.
+    def call(self, *args, **kwargs):
+        root, emptied = self._orig_mod, []
+        for m in root.modules():
+            if m is not root and m._forward_hooks:
+                emptied.append((m._forward_hooks, list(m._forward_hooks.items())))
+                m._forward_hooks.clear()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            for hooks, saved in emptied:
+                added = list(hooks.items())
+                hooks.clear()
+                hooks.update(saved)
+                hooks.update(added)
+
+    return call
+
+
 def _hook_registration() -> list[tuple[object, str]]:
     return [(torch.Tensor, "register_post_accumulate_grad_hook")]
 
@@ -213,6 +274,24 @@ def _private_module_gone() -> Iterator[None]:
             sys.modules[name] = before
 
 
+def _step_loading() -> list[tuple[object, str]]:
+    return [(torch.optim.Optimizer, "_process_value_according_to_param_policy")]
+
+
+def _optimizer_saving() -> list[tuple[object, str]]:
+    return [(torch.optim.Optimizer, "state_dict")]
+
+
+def _forward_hook_registration() -> list[tuple[object, str]]:
+    return [(torch.nn.Module, "register_forward_hook")]
+
+
+def _compiled_module_call() -> list[tuple[object, str]]:
+    from torch._dynamo.eval_frame import OptimizedModule  # imported only when injected
+
+    return [(OptimizedModule, "__call__")]
+
+
 def _reduce_scatters() -> list[tuple[object, str]]:
     import torch.distributed as dist
 
@@ -240,6 +319,11 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "private_api_changed": (_fake_tensor_mode, _fake_tensor_mode_changed),
     "tracker_misses_allocations": (_memory_tracker, _misses_forward_allocations),
     "reduce_scatter_ignores_op": (_reduce_scatters, _sums_whatever_op),
+    "step_dtype_changed": (_step_loading, _loads_step_as_float64),
+    "checkpoint_key_renamed": (_optimizer_saving, _renames_a_key),
+    "new_warning": (_forward_hook_registration, _warns_on_registration),
+    "compiled_module_skips_forward_hooks": (_compiled_module_call,
+                                            _skips_submodule_forward_hooks),
 }
 HOOK_FAULTS = [name for name, fault in FAULTS.items()
                if isinstance(fault, tuple) and fault[0] is _hook_registration]
@@ -261,7 +345,12 @@ def inject(name: str | None) -> Iterator[None]:
     where, breaks = fault
     with contextlib.ExitStack() as restore:
         for owner, attribute in where():
-            original = getattr(owner, attribute)
-            setattr(owner, attribute, breaks(original))
-            restore.callback(setattr, owner, attribute, original)
+            # Restored exactly as it was: a staticmethod stays one, an inherited attribute
+            # is deleted again rather than copied onto the subclass.
+            raw = vars(owner).get(attribute, _ABSENT)
+            broken = breaks(getattr(owner, attribute))
+            setattr(owner, attribute, staticmethod(broken) if isinstance(raw, staticmethod)
+                    else broken)
+            restore.callback(*(delattr, owner, attribute) if raw is _ABSENT
+                             else (setattr, owner, attribute, raw))
         yield

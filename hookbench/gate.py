@@ -20,16 +20,27 @@ Sections (a failed row fails the gate):
               on 2 and 3 gloo ranks against a hand computation (``hookbench.collectives``): an
               outcome that changes fails (one that newly works passes, saying so), and a
               silently wrong result always fails
+    checkpoints  the checkpoint files the baseline torch wrote (beside the baseline, in
+              checkpoints/; ``hookbench.checkpoints``), loaded and resumed: the schema of the
+              file and of the state saved again after resuming as recorded, the continuation's
+              checksum (or the tolerance)
+    compile   hooks and mechanisms on a torch.compile'd model (eager and inductor backends,
+              compiled autograd; ``hookbench.compiled_hooks``): each outcome against eager as
+              recorded, a pinned difference included
+    warnings  the warnings each mechanism's standard run emits (``hookbench.emitted_warnings``):
+              new and vanished ones listed; they fail only with --strict-warnings
     time      step-time ratios at most 50% (--time-slack) above the recorded ratio
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from hookbench import baselines, collectives, hook_contract, launch, report, zero2
+from hookbench import (baselines, checkpoints, collectives, compiled_hooks, emitted_warnings,
+                       hook_contract, launch, report, zero2)
 from hookbench.activation_capture import ActivationCapture
 from hookbench.faults import FAULTS, inject
 from hookbench.memory import CATEGORIES, measure
@@ -39,7 +50,8 @@ from hookbench.zoo import BENCHMARK_MLP, ZooSpec
 
 __all__ = ["MODELS", "SECTIONS", "check", "measure_all", "record", "selfcheck"]
 
-SECTIONS = ("hooks", "parity", "numerics", "zero2", "collectives", "memory", "time")
+SECTIONS = ("hooks", "parity", "numerics", "zero2", "collectives", "checkpoints", "compile",
+            "warnings", "memory", "time")
 MODELS = ("transformer", "resnet18", "vit_b_16")  # the gate's default
 RECORD_MODELS = (*MODELS, "vit_l_16")  # recorded, so that --models vit_l_16 can be gated
 MEMORY_STRATEGIES = ("foreach", "forloop", "in_backward", "in_backward_grouped_foreach", "zero2")
@@ -62,6 +74,13 @@ TIME_TARGETS = {"in_backward_grouped_vs_foreach": 1.10, "capture_stats_vs_plain"
 
 
 CRASHED = "crashed"  # the key of a section whose measurement as a whole raised
+CHECKPOINTS = "checkpoints"  # the folder of checkpoint files, beside the baseline's json
+# Sections that take seconds (rank processes, compilation) run in selfcheck clean and under the
+# faults written for them only; the others run under every fault.
+SCOPED = {"collectives": ("reduce_scatter_ignores_op",),
+          "checkpoints": ("step_dtype_changed", "checkpoint_key_renamed"),
+          "compile": ("compiled_module_skips_forward_hooks",),
+          "warnings": ("new_warning",)}
 
 
 def _section(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -166,9 +185,13 @@ def _time() -> dict[str, Any]:
 
 def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = MODELS,
                 fault: str | None = None, device: str = "fake",
-                zero2_ranks: list | None = None) -> dict[str, Any]:
+                zero2_ranks: list | None = None, checkpoint_dir: str | Path | None = None
+                ) -> dict[str, Any]:
     """Everything the baseline holds, measured on the installed torch (under ``fault``).
-    ``zero2_ranks``: the ranks' results if already run (``selfcheck`` runs all at once)."""
+    ``zero2_ranks``: the ranks' results if already run (``selfcheck`` runs all at once).
+    ``checkpoint_dir``: where the baseline's checkpoint files are (default: checkpoints/
+    beside ``baselines.DEFAULT``)."""
+    checkpoint_dir = checkpoint_dir or baselines.DEFAULT.parent / CHECKPOINTS
     if "zero2" in sections and zero2_ranks is None:
         try:
             zero2_ranks = zero2_runs([fault])[fault]
@@ -184,6 +207,12 @@ def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = 
             out["zero2"] = _section(lambda: _zero2(zero2_ranks))
         if "collectives" in sections:  # the fault goes into the ranks, as for ZeRO-2
             out["collectives"] = _section(lambda: collectives.run_matrix(fault))
+        if "checkpoints" in sections:
+            out["checkpoints"] = _section(lambda: checkpoints.resume(checkpoint_dir, fault=fault))
+        if "compile" in sections:
+            out["compile"] = _section(compiled_hooks.run_all)
+        if "warnings" in sections:
+            out["warnings"] = _section(emitted_warnings.run_all)
         if "memory" in sections:
             out["memory"] = _section(lambda: _memory(models, device))
         if "time" in sections:
@@ -207,11 +236,16 @@ def failures(measured: dict[str, Any]) -> list[str]:
     return found
 
 
-def record(models: tuple[str, ...] = RECORD_MODELS,
-           sections: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
+def record(models: tuple[str, ...] = RECORD_MODELS, sections: tuple[str, ...] = SECTIONS,
+           checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
     """The baseline of the installed torch (``hookbench record`` saves it); parity is live
-    only: it compares two strategies now and stores nothing."""
-    return measure_all(tuple(s for s in sections if s != "parity"), models)
+    only: it compares two strategies now and stores nothing. The checkpoint files are written
+    into ``checkpoint_dir`` first, then resumed like the gate resumes them."""
+    checkpoint_dir = checkpoint_dir or baselines.DEFAULT.parent / CHECKPOINTS
+    if "checkpoints" in sections:
+        checkpoints.write(checkpoint_dir)
+    return measure_all(tuple(s for s in sections if s != "parity"), models,
+                       checkpoint_dir=checkpoint_dir)
 
 
 # -- comparing -------------------------------------------------------------------------------
@@ -315,6 +349,66 @@ def _collectives_section(base: dict, now: dict) -> Section:
     return section
 
 
+def _checkpoints_section(base: dict, now: dict, machine_note: str) -> Section:
+    section = Section(f"Checkpoints written by the baseline torch, loaded and resumed for "
+                      f"{checkpoints.CONTINUED} steps", ("family/variant", "verdict"))
+    for key, value in now.items():
+        if section.add_stopped(value, key):
+            continue
+        rec = base.get(key)
+        if rec is None:
+            section.add(False, key, "no baseline recorded; record with `hookbench record`")
+            continue
+        problems = [f"{what} CHANGED: {'; '.join(checkpoints.difference(rec[part], value[part]))}"
+                    for part, what in (("schema", "file schema"),
+                                       ("resaved", "schema saved after resuming"))
+                    if rec[part] != value[part]]
+        tol = zero2.TOLERANCE if "zero2" in key else tolerance("foreach", checkpoints.SPEC.dtype)
+        ok, continuation = _trajectory_verdict(rec, value, tol, machine_note)
+        section.add(ok and not problems, key, "; ".join(
+            (problems or ["schema as recorded"]) + [f"continuation {continuation}"]))
+    return section
+
+
+def _compile_section(base: dict, now: dict) -> Section:
+    section = Section("Hooks and mechanisms under torch.compile against eager, as recorded",
+                      ("backend/check", "recorded", "verdict"))
+    for key, outcome in now.items():
+        recorded = base.get(key, "not recorded")
+        explained = compiled_hooks.EXPLAINED.get(key)
+        if outcome == recorded:
+            verdict = "equal to eager" if outcome is None else (
+                f"pinned difference: {outcome}" + (f" ({explained})" if explained else ""))
+        else:
+            verdict = (f"CHANGED: {'equal to eager' if outcome is None else outcome} "
+                       f"(re-record only if intended)")
+        shown = {None: "equal", "not recorded": "not recorded"}.get(recorded, "differs")
+        section.add(outcome == recorded, key, shown, verdict)
+    return section
+
+
+def _warnings_section(base: dict, now: dict, strict: bool) -> Section:
+    section = Section("Warnings of each mechanism's standard run against the baseline"
+                      + ("; new or vanished ones fail (--strict-warnings)" if strict else
+                         "; new or vanished ones are listed, and fail with --strict-warnings"),
+                      ("run", "warning", "verdict"))
+    for run, emitted in now.items():
+        if section.add_stopped(emitted, run):
+            continue
+        recorded = base.get(run)
+        if not isinstance(recorded, list):
+            section.add(False, run, "", "no baseline recorded; record with `hookbench record`")
+            continue
+        changes = [(w, "NEW") for w in emitted if w not in recorded] + [
+            (w, "VANISHED") for w in recorded if w not in emitted]
+        for warning, change in changes:
+            section.add(not strict, run, warning, change)
+        if not changes:
+            section.add(True, run, f"{len(emitted)} warning{'' if len(emitted) == 1 else 's'}",
+                        "as recorded")
+    return section
+
+
 def _time_section(base: dict, now: dict, slack: float) -> Section:
     section = Section(f"Step-time ratios against the baseline; fails {slack:.0%} above it",
                       ("ratio", "recorded", "now", "verdict"))
@@ -334,7 +428,7 @@ def _time_section(base: dict, now: dict, slack: float) -> Section:
 
 
 def check(base: dict[str, Any], now: dict[str, Any], parity: bool = True,
-          time_slack: float = TIME_SLACK) -> dict[str, Section]:
+          time_slack: float = TIME_SLACK, strict_warnings: bool = False) -> dict[str, Section]:
     """The gate's verdict by section: ``now`` (``measure_all``) against the baseline ``base``.
     A section whose measurement crashed is one failed row naming the exception."""
     was, here = base["recorded_with"]["cpu_capability"], now["recorded_with"]["cpu_capability"]
@@ -348,6 +442,9 @@ def check(base: dict[str, Any], now: dict[str, Any], parity: bool = True,
             "ZeRO-2 on 2 gloo ranks against single-process training and the stored checksum",
             b, n, zero2.TOLERANCE, note),
         "collectives": _collectives_section,
+        "checkpoints": lambda b, n: _checkpoints_section(b, n, note),
+        "compile": _compile_section,
+        "warnings": lambda b, n: _warnings_section(b, n, strict_warnings),
         "memory": lambda b, n: _memory_section(b, n, now.get("device", "fake")),
         "time": lambda b, n: _time_section(b, n, time_slack),
     }
@@ -377,20 +474,24 @@ def _crash_safe(name: str, build: Callable[[], Section]) -> Section:
 
 def gate(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
          models: tuple[str, ...] = MODELS, fault: str | None = None, device: str = "fake",
-         zero2_ranks: list | None = None, time_slack: float = TIME_SLACK
+         zero2_ranks: list | None = None, time_slack: float = TIME_SLACK,
+         checkpoint_dir: str | Path | None = None, strict_warnings: bool = False
          ) -> dict[str, Section]:
     """Measure on the installed torch and judge against ``base``, by section."""
-    now = measure_all(sections, models, fault, device, zero2_ranks)
+    now = measure_all(sections, models, fault, device, zero2_ranks, checkpoint_dir)
     now["device"] = device
     with inject(fault):
-        return check(base, now, parity="parity" in sections, time_slack=time_slack)
+        return check(base, now, parity="parity" in sections, time_slack=time_slack,
+                     strict_warnings=strict_warnings)
 
 
 def selfcheck(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
               models: tuple[str, ...] = ("transformer",),
-              progress: Callable[[str], None] = lambda message: None
+              progress: Callable[[str], None] = lambda message: None,
+              checkpoint_dir: str | Path | None = None
               ) -> dict[str | None, dict[str, list[str]]]:
-    """The gate, clean and under every fault: for each, the failed rows by section."""
+    """The gate, clean and under every fault, with --strict-warnings (a new warning is a
+    fault to catch): for each, the failed rows by section."""
     sections = tuple(s for s in sections if s != "time")  # no fault here targets speed
     runs = [None, *FAULTS]
     progress("starting 2 gloo ranks for every fault's ZeRO-2 run ...")
@@ -398,11 +499,9 @@ def selfcheck(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
     caught = {}
     for fault in runs:
         progress(f"gate under {fault or 'no fault'} ...")
-        # The collectives matrix (two starts of gloo ranks) runs clean and under the fault
-        # that targets torch.distributed; no other fault reaches it.
-        here = sections if fault in (None, "reduce_scatter_ignores_op") else tuple(
-            s for s in sections if s != "collectives")
-        result = gate(base, here, models, fault, zero2_ranks=ranks[fault])
+        here = tuple(s for s in sections if fault in (None, *SCOPED.get(s, [fault])))
+        result = gate(base, here, models, fault, zero2_ranks=ranks[fault],
+                      checkpoint_dir=checkpoint_dir, strict_warnings=True)
         caught[fault] = {name: list(dict.fromkeys(cells[0] for cells, ok in s.rows if not ok))
                          for name, s in result.items() if not s.ok}
     return caught

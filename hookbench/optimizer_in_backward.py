@@ -276,6 +276,11 @@ class OptimizerInBackward(torch.optim.Optimizer):
         super().load_state_dict(state_dict)  # validates group sizes before changing anything
         for group, own in zip(self.param_groups, names):  # torch < 2.6 drops them from
             group.setdefault("param_names", own)        # a checkpoint saved without names
+            # An option an older torch did not save (AdamW's decoupled_weight_decay before
+            # pytorch#143710) gets its default, as optimizer_class.__setstate__ gives it, so
+            # the state saved next reads like the standard optimizer's.
+            for key, default in self.defaults.items():
+                group.setdefault(key, default)
         self._bind_inner_state()
 
     # -- lifetime ----------------------------------------------------------------------------

@@ -224,7 +224,7 @@ def test_a_corrupt_baseline_is_one_line_naming_the_file_and_exit_2(tmp_path, cap
 def test_record_refuses_a_baseline_with_failed_measurements(tmp_path, capsys, monkeypatch):
     target = tmp_path / "gate.json"
 
-    def record(models, sections):
+    def record(models, sections, checkpoint_dir):
         with inject("private_module_missing"):
             return gate.measure_all(("memory",), ("transformer",))
 
@@ -233,7 +233,7 @@ def test_record_refuses_a_baseline_with_failed_measurements(tmp_path, capsys, mo
                  "--models", "transformer"]) == 1
     out = capsys.readouterr().out
     assert "NOT written: 1 measurements failed" in out and "memory/transformer/zero2" in out
-    assert not target.exists()
+    assert not target.exists() and not (tmp_path / gate.CHECKPOINTS).exists()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -308,6 +308,10 @@ CAUGHT_BY = {
     "private_api_changed": {"memory"},
     "tracker_misses_allocations": {"memory"},
     "reduce_scatter_ignores_op": {"collectives"},
+    "step_dtype_changed": {"checkpoints"},
+    "checkpoint_key_renamed": {"checkpoints"},
+    "compiled_module_skips_forward_hooks": {"compile"},
+    "new_warning": {"warnings"},
 }
 
 
