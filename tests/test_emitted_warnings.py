@@ -7,6 +7,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from hookbench import baselines, emitted_warnings, gate
@@ -33,8 +34,11 @@ def _section(base, now, strict):
 
 def test_every_run_emits_the_recorded_warnings(base, emitted):
     assert set(emitted) == set(emitted_warnings.RUNS) == set(base["warnings"])
-    for strict in (False, True):
-        section = _section(base, emitted, strict)
+    # hookbench's own mechanisms warn about nothing, on every release measured (2.4.1-2.15.0)
+    assert {run: w for run, w in emitted.items() if w and not run.startswith("checkpoint")} == {}
+    assert _section(base, emitted, strict=False).ok
+    if base["recorded_with"]["torch"] == torch.__version__:  # other releases word them
+        section = _section(base, emitted, strict=True)     # differently (README)
         assert section.ok, render([section])
         assert all(cells[-1] == "as recorded" for cells, _ in section.rows)
 
@@ -57,7 +61,10 @@ def test_a_description_masks_numbers_and_line_numbers_and_keeps_the_source():
                          "(hookbench/emitted_warnings.py)"}
 
 
-def test_a_new_warning_is_listed_and_fails_only_when_strict(base):
+def test_a_new_warning_is_listed_and_fails_only_when_strict(base, emitted):
+    # Against what this torch emits without the fault (the committed baseline is another
+    # torch's under tox -e torch24 ...).
+    base = {**base, "warnings": emitted}
     with inject("new_warning"):
         now = emitted_warnings.run_all()
     lenient, strict = _section(base, now, False), _section(base, now, True)
@@ -72,7 +79,7 @@ def test_a_new_warning_is_listed_and_fails_only_when_strict(base):
 
 
 def test_a_vanished_warning_is_listed_and_fails_only_when_strict(base, emitted):
-    recorded = {**base, "warnings": {**base["warnings"], "activation_capture": [
+    recorded = {**base, "warnings": {**emitted, "activation_capture": [
         "UserWarning: a warning this release no longer emits (torch/nn/modules/module.py)"]}}
     lenient, strict = _section(recorded, emitted, False), _section(recorded, emitted, True)
     assert lenient.ok and not strict.ok
