@@ -36,9 +36,11 @@ import torch
 
 from hookbench import launch
 from hookbench.baselines import fingerprint
+from hookbench.faults import inject
 from hookbench.optimizer_in_backward import OptimizerInBackward
 from hookbench.parity import FAMILIES, Snapshot
 from hookbench.report import attempt
+from hookbench.zero2 import Zero2
 from hookbench.zoo import TinySpec
 
 __all__ = ["CONTINUED", "SPEC", "VARIANTS", "WRITTEN_AFTER", "resume", "schema", "write"]
@@ -149,8 +151,6 @@ def write(directory: str | Path, families: tuple[str, ...] = tuple(FAMILIES)) ->
 
 
 def _write_zero2(rank: int, world: int, directory: str, families: tuple[str, ...]) -> None:
-    from hookbench.zero2 import Zero2
-
     for family in families:
         cls, kwargs = FAMILIES[family]
         model = SPEC.build()
@@ -213,9 +213,6 @@ def resume(directory: str | Path, families: tuple[str, ...] = tuple(FAMILIES),
 
 def _resume_zero2(rank: int, world: int, directory: str, families: tuple[str, ...],
                   fault: str | None) -> dict[str, dict[str, Any]]:
-    from hookbench.faults import inject
-    from hookbench.zero2 import Zero2
-
     def one(family: str) -> dict[str, Any]:
         saved = _load(_path(Path(directory), family, "zero2_sharded", rank))
         cls, kwargs = FAMILIES[family]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hookbench import baselines, gate, launch, plot, report, zero2
+from hookbench import baselines, gate, launch, plot, report, zero2_runs
 from hookbench.activation_capture import ActivationCapture
 from hookbench.coord_check import QUANTITIES, coord_check, ratios
 from hookbench.faults import FAULTS
@@ -134,12 +134,12 @@ def _zero2_demo(rank: int, world: int, spec: ZooSpec, steps: int,
     any other summation order flips whole steps; the sharding is what is being checked.
     Memory is measured with Adam, whose state the ZeRO formula counts."""
     sgd = {"lr": 1e-2, "momentum": 0.9, "foreach": False}
-    got = zero2.trajectory(rank, world, spec, torch.optim.SGD, sgd, bucket_numel, steps)
-    memory = zero2.rank_memory(rank, world, spec, {"lr": 1e-3, "foreach": False,
+    got = zero2_runs.trajectory(rank, world, spec, torch.optim.SGD, sgd, bucket_numel, steps)
+    memory = zero2_runs.rank_memory(rank, world, spec, {"lr": 1e-3, "foreach": False,
                                                    "bucket_numel": bucket_numel})
     ref = parameters_only(trajectory(spec, torch.optim.SGD, sgd, "forloop", steps=steps))
     return {"rank": rank, "peak": memory["peak"], "breakdown": memory["breakdown"],
-            "parity": compare(got["snapshots"], ref, zero2.TOLERANCE)}
+            "parity": compare(got["snapshots"], ref, zero2_runs.TOLERANCE)}
 
 
 def _zero2(args: argparse.Namespace) -> int:

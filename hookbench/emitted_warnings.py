@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hookbench.activation_capture import ActivationCapture
 from hookbench.optimizer_in_backward import OptimizerInBackward
+from hookbench.zero2 import Zero2
 from hookbench.zoo import TinySpec
 
 __all__ = ["RUNS", "describe", "run_all"]
@@ -78,8 +79,6 @@ def _checkpointed(use_reentrant: bool | None) -> Callable[[], None]:
 
 
 def _zero2() -> None:
-    from hookbench.zero2 import Zero2
-
     if dist.is_initialized():
         raise ValueError("this process is already in a process group; run hookbench's "
                          "warnings section in a process of its own")

@@ -26,6 +26,9 @@ from typing import Callable, Iterator
 
 import torch
 
+from hookbench import zero2
+from hookbench.memory import StorageTracker
+
 __all__ = ["FAULTS", "HOOK_FAULTS", "inject"]
 
 _Register = Callable[[torch.Tensor, Callable[[torch.Tensor], None]], object]
@@ -242,8 +245,6 @@ def _functional_adams() -> list[tuple[object, str]]:
 
 
 def _zero2_reduction() -> list[tuple[object, str]]:
-    from hookbench import zero2
-
     return [(zero2, "reduce_to_owner")]
 
 
@@ -252,8 +253,6 @@ def _fake_tensor_mode() -> list[tuple[object, str]]:
 
 
 def _memory_tracker() -> list[tuple[object, str]]:
-    from hookbench.memory import StorageTracker
-
     return [(StorageTracker, "track")]
 
 

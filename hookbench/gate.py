@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from hookbench import (baselines, checkpoints, collectives, compiled_hooks, emitted_warnings,
-                       hook_contract, launch, report, zero2)
+                       hook_contract, launch, report, zero2_runs)
 from hookbench.activation_capture import ActivationCapture
 from hookbench.faults import FAULTS, inject
 from hookbench.memory import CATEGORIES, measure
@@ -98,12 +98,12 @@ def _numerics() -> dict[str, Any]:
             for family, (cls, kw) in FAMILIES.items() for strategy in TRAJECTORY_STRATEGIES}
 
 
-def zero2_runs(faults: list[str | None]) -> dict[str | None, list]:
+def run_zero2_ranks(faults: list[str | None]) -> dict[str | None, list]:
     """Every rank's ZeRO-2 trajectories for each fault, from one start of 2 gloo ranks (the
     fault is injected inside the ranks)."""
-    cases = [case for fault in faults for case in zero2.parity_cases(fault)]
-    ranks = launch.run(zero2.trajectories, 2, cases, timeout=300)
-    n = len(zero2.PARITY_OPTIMIZERS)
+    cases = [case for fault in faults for case in zero2_runs.parity_cases(fault)]
+    ranks = launch.run(zero2_runs.trajectories, 2, cases, timeout=300)
+    n = len(zero2_runs.PARITY_OPTIMIZERS)
     return {fault: [[rank[i * n + j] for rank in ranks] for j in range(n)]
             for i, fault in enumerate(faults)}
 
@@ -112,7 +112,7 @@ def _zero2(runs: list | BaseException) -> dict[str, Any]:
     if isinstance(runs, BaseException):  # the ranks crashed or ran late: the section fails
         raise runs
     out = {}
-    for name, case, ranks in zip(zero2.PARITY_OPTIMIZERS, zero2.parity_cases(), runs):
+    for name, case, ranks in zip(zero2_runs.PARITY_OPTIMIZERS, zero2_runs.parity_cases(), runs):
         problems = [f"rank {r}: {got['error']}" for r, got in enumerate(ranks) if got["error"]]
         if problems:
             out[name] = {"problems": problems}
@@ -127,7 +127,7 @@ def _zero2(runs: list | BaseException) -> dict[str, Any]:
                 problems.append(f"rank {r} holds other parameters than rank 0")
         reference = parameters_only(trajectory(case["spec"], case["optimizer_class"],
                                                case["kwargs"], "forloop", steps=case["steps"]))
-        parity = compare(ranks[0]["snapshots"], reference, zero2.TOLERANCE)
+        parity = compare(ranks[0]["snapshots"], reference, zero2_runs.TOLERANCE)
         if not parity.ok:
             problems.append(f"vs single-process training: {parity.verdict()}")
         out[name] = {**baselines.fingerprint(ranks[0]["snapshots"]), "problems": problems}
@@ -194,7 +194,7 @@ def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = 
     checkpoint_dir = checkpoint_dir or baselines.DEFAULT.parent / CHECKPOINTS
     if "zero2" in sections and zero2_ranks is None:
         try:
-            zero2_ranks = zero2_runs([fault])[fault]
+            zero2_ranks = run_zero2_ranks([fault])[fault]
         except Exception as e:  # noqa: BLE001 - a crashed or late rank fails the section
             zero2_ranks = e
     out: dict[str, Any] = {"recorded_with": baselines.environment()}
@@ -363,7 +363,8 @@ def _checkpoints_section(base: dict, now: dict, machine_note: str) -> Section:
                     for part, what in (("schema", "file schema"),
                                        ("resaved", "schema saved after resuming"))
                     if rec[part] != value[part]]
-        tol = zero2.TOLERANCE if "zero2" in key else tolerance("foreach", checkpoints.SPEC.dtype)
+        tol = (zero2_runs.TOLERANCE if "zero2" in key
+               else tolerance("foreach", checkpoints.SPEC.dtype))
         ok, continuation = _trajectory_verdict(rec, value, tol, machine_note)
         section.add(ok and not problems, key, "; ".join(
             (problems or ["schema as recorded"]) + [f"continuation {continuation}"]))
@@ -440,7 +441,7 @@ def check(base: dict[str, Any], now: dict[str, Any], parity: bool = True,
             tolerance("foreach", report.REPORT_SPEC.dtype), note),
         "zero2": lambda b, n: _numerics_section(
             "ZeRO-2 on 2 gloo ranks against single-process training and the stored checksum",
-            b, n, zero2.TOLERANCE, note),
+            b, n, zero2_runs.TOLERANCE, note),
         "collectives": _collectives_section,
         "checkpoints": lambda b, n: _checkpoints_section(b, n, note),
         "compile": _compile_section,
@@ -495,7 +496,7 @@ def selfcheck(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
     sections = tuple(s for s in sections if s != "time")  # no fault here targets speed
     runs = [None, *FAULTS]
     progress("starting 2 gloo ranks for every fault's ZeRO-2 run ...")
-    ranks = zero2_runs(runs) if "zero2" in sections else dict.fromkeys(runs)
+    ranks = run_zero2_ranks(runs) if "zero2" in sections else dict.fromkeys(runs)
     caught = {}
     for fault in runs:
         progress(f"gate under {fault or 'no fault'} ...")

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 
 from hookbench.optimizer_in_backward import OptimizerInBackward
+from hookbench.zero2 import Zero2
 from hookbench.zoo import TinySpec
 
 __all__ = [
@@ -201,8 +202,6 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
         )
         return Started(nothing, lambda p: opt.state.get(p, {}), opt.remove, params)
     if strategy == "zero2":  # kwargs may carry bucket_numel
-        from hookbench.zero2 import Zero2  # zero2 imports this module
-
         zero = Zero2(model, cls, **{"foreach": False, **kwargs})
 
         def zero_step() -> None:

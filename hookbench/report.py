@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from hookbench import hook_contract
+from hookbench import hook_contract, launch, zero2_runs
 from hookbench.memory import CATEGORIES, MemoryResult, measure
 from hookbench.parity import (
     FAMILIES,
@@ -222,15 +222,13 @@ def zero2_section(spec: ZooSpec, backend: str, standard: MemoryResult | None,
     """Parity of ZeRO-2 on 2 spawned gloo ranks against single-process training, and rank 0's
     peak for N ranks against its bound, beside the single-device strategies (where
     measured)."""
-    from hookbench import launch, zero2  # spawning ranks; only this section needs it
-
     section = Section("ZeRO-2 (sharded gradient release): parity on gloo, and rank 0's peak "
                       "(GB) against its bound 4 Psi + 12 Psi / N + activations + bucket",
                       ("check", "verdict"))
     progress("ZeRO-2: parity on 2 gloo ranks ...")
-    cases = zero2.parity_cases()
+    cases = zero2_runs.parity_cases()
     try:
-        ranks = launch.run(zero2.trajectories, 2, cases)
+        ranks = launch.run(zero2_runs.trajectories, 2, cases)
     except Exception as e:  # noqa: BLE001 - a crashed rank is a failed row, not a traceback
         section.add(False, "parity on 2 gloo ranks", f"FAILED: {type(e).__name__}: {e}")
         ranks = None
@@ -238,7 +236,7 @@ def zero2_section(spec: ZooSpec, backend: str, standard: MemoryResult | None,
         ref = parameters_only(trajectory(case["spec"], case["optimizer_class"], case["kwargs"],
                                          "forloop", steps=case["steps"]))
         for rank, got in enumerate(ranks):
-            result = compare(got[i]["snapshots"], ref, zero2.TOLERANCE)
+            result = compare(got[i]["snapshots"], ref, zero2_runs.TOLERANCE)
             section.add(result.ok, f"{case['optimizer_class'].__name__}, gloo rank {rank} of 2",
                         result.verdict())
     for n in ZERO2_RANKS:

@@ -49,20 +49,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
-from hookbench.optimizer_in_backward import reentrant_checkpoint_in_graph, unnamed
-from hookbench.parity import Tolerance
-from hookbench.zoo import TinySpec
 
-__all__ = ["ELEMENTWISE", "PARITY_OPTIMIZERS", "PARITY_SPEC", "TOLERANCE", "Zero2",
-           "parity_cases", "reduce_to_owner"]
-
-# Against single-process training on the global batch: the reduction sums the ranks' mean
-# gradients and divides by N, where the reference takes one mean over the global batch, a
-# different order of fp32 additions. DeepSpeed's own tests compare with DDP + torch Adam at
-# rtol 1e-5, atol 1e-6 over 5 steps; so does hookbench.
-TOLERANCE = Tolerance(rtol=1e-5, atol=1e-6)
+__all__ = ["ELEMENTWISE", "Zero2", "reduce_to_owner"]
 
 # torch.optim classes whose update of an element reads only that element's gradient and state
 # (and per-tensor scalars that depend on the step count alone), so stepping 1-D pieces of a
@@ -70,19 +61,6 @@ TOLERANCE = Tolerance(rtol=1e-5, atol=1e-6)
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax,
                torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad,
                torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop)
-
-
-# What hookbench report and hookbench gate check ZeRO-2 parity on: 227 parameters, so that the
-# shards cut parameters in two, and 50-element buckets, so that a backward reduces several.
-PARITY_SPEC = TinySpec(depth=3, width=8, batch_size=6)
-PARITY_OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "foreach": False}),
-                     "adam": (torch.optim.Adam, {"lr": 1e-2, "foreach": False})}
-
-
-def parity_cases(fault: str | None = None) -> list[dict[str, Any]]:
-    """``trajectory`` keyword arguments for each of ``PARITY_OPTIMIZERS``: 5 steps."""
-    return [dict(spec=PARITY_SPEC, optimizer_class=cls, kwargs=kw, bucket_numel=50, steps=5,
-                 fault=fault) for cls, kw in PARITY_OPTIMIZERS.values()]
 
 
 def reduce_to_owner(chunk: torch.Tensor, owner: int, group: Any) -> None:
@@ -536,152 +514,31 @@ def _flatten(params: list[nn.Parameter], world: int, rank: int) -> _Flat:
     return flat
 
 
-def trajectories(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Run ``trajectory`` for each case (its keyword arguments) on this rank: one process start
-    serves many configurations."""
-    return [trajectory(rank, world, **case) for case in cases]
+# -- copied from optimizer_in_backward.py, so that each mechanism is one file to copy ---------
 
 
-def _local(spec: Any, index: int, rank: int, world: int, device: str):
-    """This rank's share of global batch ``index``."""
-    x, y = spec.batch(index)
-    if len(x) % world:
-        raise ValueError(f"batch of {len(x)} does not split over {world} ranks")
-    b = len(x) // world
-    return x[rank * b:(rank + 1) * b].to(device), y[rank * b:(rank + 1) * b].to(device)
+def _is_named(item: Any) -> bool:
+    return (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor))
 
 
-def _device(rank: int) -> str:
-    if dist.get_backend() == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        return f"cuda:{torch.cuda.current_device()}"
-    return "cpu"
+def unnamed(item: Any) -> Any:
+    """The tensor of a ``(name, tensor)`` pair (``model.named_parameters()``); else the item."""
+    return item[1] if _is_named(item) else item
 
 
-def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
-               bucket_numel: int, steps: int = 5, accumulation: int = 1,
-               fault: str | None = None,
-               groups: list[tuple[list[str], dict]] | None = None) -> dict[str, Any]:
-    """Train ``spec`` with ZeRO-2 on this rank's share of each global batch (run it on every
-    rank, e.g. through ``hookbench.launch.run``). Returns the full parameters after every
-    step, and what each backward left behind: gradients on the model's parameters, the shard's
-    gradient size, and the hook calls per parameter. ``groups``: param groups as (parameter
-    names, options). ``fault`` names a ``hookbench.faults`` fault to inject; an error it
-    causes is returned, not raised, so every rank finishes."""
-    from hookbench.faults import inject
-
-    device = _device(rank)
-    model = spec.build().to(device)
-    snapshots: list[dict[str, torch.Tensor]] = []
-    after_backward: list[dict[str, Any]] = []
-    result = {"snapshots": snapshots, "after_backward": after_backward, "error": None}
-    named = dict(model.named_parameters())
-    params = None if groups is None else [{"params": [named[n] for n in names], **options}
-                                          for names, options in groups]
-    with inject(fault), Zero2(model, optimizer_class, params, bucket_numel=bucket_numel,
-                              **kwargs) as zero:
-        result.update(shard_numel=sum(f.shard_numel for f in zero.flats))
-        try:
-            for i in range(steps):
-                for micro in range(accumulation):
-                    x, y = _local(spec, i * accumulation + micro, rank, world, device)
-                    zero.hook_calls.clear()  # so that a backward whose hooks never fire shows
-                    (spec.loss(model(x), y) / accumulation).backward()
-                    after_backward.append({
-                        "param_grads": [n for n, p in model.named_parameters()
-                                        if p.grad is not None],
-                        "shard_grad_numel": sum(f.grad.numel() for f in zero.flats
-                                                if f.grad is not None),
-                        "hook_calls": dict(zero.hook_calls),
-                    })
-                zero.step()
-                zero.zero_grad()
-                snapshots.append({n: p.detach().cpu().clone()
-                                  for n, p in model.named_parameters()})
-            result["full_state"] = None if zero.simulated else zero.full_state_dict()
-        except Exception as e:  # noqa: BLE001 - under a fault anything may break; say what
-            if fault is None:
-                raise
-            result["error"] = f"{type(e).__name__}: {e}"
-    return result
-
-
-class Lockstep:
-    """ZeRO-2 training led by rank 0, to time a step from one process: before each step rank
-    0 broadcasts whether there is one, and the other ranks (``follow``) take as many as it
-    asks for. Every step trains on the same global batch ``spec.batch(0)``. On nccl each rank
-    uses its own GPU, and a step returns when the GPU has finished it."""
-
-    def __init__(self, spec: Any, optimizer_class: type, kwargs: dict, bucket_numel: int):
-        rank, world = dist.get_rank(), dist.get_world_size()
-        self.device = _device(rank)
-        self.spec, self.model = spec, spec.build().to(self.device)
-        self.batch = _local(spec, 0, rank, world, self.device)
-        self.zero = Zero2(self.model, optimizer_class, bucket_numel=bucket_numel, **kwargs)
-
-    def step(self, go: bool = True) -> bool:
-        flag = torch.tensor([int(go)], device=self.device)
-        dist.broadcast(flag, src=0)
-        if not flag.item():  # on a GPU this waits for the broadcast, and so for the last step
-            return False
-        x, y = self.batch
-        self.spec.loss(self.model(x), y).backward()
-        self.zero.step()
-        self.zero.zero_grad()
-        if self.device != "cpu":
-            torch.cuda.synchronize()
-        return True
-
-    def __enter__(self) -> Lockstep:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            if dist.get_rank() == 0:
-                self.step(go=False)  # releases the followers
-        finally:
-            self.zero.remove()
-
-
-def follow(rank: int, world: int, *args: Any) -> int:
-    """A rank of ``Lockstep`` other than 0: steps until rank 0 stops; returns how many."""
-    steps = 0
-    with Lockstep(*args) as lock:
-        while lock.step():
-            steps += 1
-    return steps
-
-
-def fsdp2_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
-                     steps: int = 5) -> dict[str, torch.Tensor]:
-    """The peer: the same training with FSDP2 ``fully_shard(reshard_after_forward=False)``,
-    torch's own ZeRO-2 analogue, on the same group; the full parameters at the end."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    device = _device(rank)
-    mesh = init_device_mesh(torch.device(device).type, (world,))
-    model = spec.build().to(device)
-    for layer in model.children():
-        if any(p.requires_grad for p in layer.parameters()):
-            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    opt = optimizer_class(model.parameters(), **kwargs)
-    for i in range(steps):
-        x, y = _local(spec, i, rank, world, device)
-        spec.loss(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return {n: p.full_tensor().detach().cpu().clone() for n, p in model.named_parameters()}
-
-
-def rank_memory(rank: int, world: int, spec: Any, kwargs: dict) -> dict[str, Any]:
-    """This rank's measured memory for one ZeRO-2 step (the tracker on real tensors)."""
-    from hookbench.memory import measure
-
-    backend = "cuda" if dist.get_backend() == "nccl" else "eager"
-    if backend == "cuda":
-        _device(rank)
-    result = measure(spec, "zero2", backend=backend, optimizer_kwargs=kwargs)
-    return {"peak": result.peak, "breakdown": result.peak_breakdown,
-            "timeline": result.timeline}
+def reentrant_checkpoint_in_graph(output: Any) -> bool:
+    """Whether the autograd graph of ``output`` (a tensor or a nest of them) contains a
+    ``torch.utils.checkpoint(..., use_reentrant=True)`` node, whose backward runs a nested one."""
+    stack = [t.grad_fn for t in tree_leaves(output)
+             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "CheckpointFunctionBackward":
+            return True
+        stack.extend(fn for fn, _ in node.next_functions)
+    return False

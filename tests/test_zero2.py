@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hookbench import launch, zero2
+from hookbench import launch, zero2, zero2_runs
 from hookbench.memory import measure
 from hookbench.parity import FAMILIES, compare, parameters_only, trajectory
 from hookbench.zoo import BENCHMARK_MLP, TinySpec, ZooSpec
@@ -18,10 +18,10 @@ from hookbench.zoo import BENCHMARK_MLP, TinySpec, ZooSpec
 pytestmark = pytest.mark.distributed
 
 # 227 parameters: with 3 ranks the shards (76 each) cut 2.weight and 4.weight in two.
-SPEC, OPTIMIZERS = zero2.PARITY_SPEC, zero2.PARITY_OPTIMIZERS
+SPEC, OPTIMIZERS = zero2_runs.PARITY_SPEC, zero2_runs.PARITY_OPTIMIZERS
 BUCKETS = (1, 50, 10**6)  # a flush per parameter; a few per backward; one at its end
 STEPS = 5
-TOL = zero2.TOLERANCE  # rtol 1e-5, atol 1e-6, as DeepSpeed's own tests; see its comment
+TOL = zero2_runs.TOLERANCE  # rtol 1e-5, atol 1e-6, as DeepSpeed's own tests; see its comment
 # A weight shared by two layers (one hook call, after both uses) and a frozen first layer.
 TIED_FROZEN = TinySpec(depth=3, width=8, batch_size=6, tied=True, frozen=True)
 FAULTS = ("collective_wrong_slice", "collective_low_precision", "fires_twice")
@@ -54,7 +54,7 @@ def runs():
     def get(world):
         if world not in cache:
             cases = _cases(world)
-            cache[world] = cases, launch.run(zero2.trajectories, world, cases, timeout=240)
+            cache[world] = cases, launch.run(zero2_runs.trajectories, world, cases, timeout=240)
         return cache[world]
 
     return get
@@ -146,10 +146,10 @@ def test_release_checks_catch_a_hook_that_stops_firing():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         cls, kw = OPTIMIZERS["sgd"]
-        clean = zero2.trajectory(0, 2, SPEC, cls, kw, 50, steps=2)
+        clean = zero2_runs.trajectory(0, 2, SPEC, cls, kw, 50, steps=2)
         assert all(a["param_grads"] == [] and len(a["hook_calls"]) == 8
                    for a in clean["after_backward"])
-        broken = zero2.trajectory(0, 2, SPEC, cls, kw, 50, steps=2,
+        broken = zero2_runs.trajectory(0, 2, SPEC, cls, kw, 50, steps=2,
                                   fault="stops_after_first_backward")
         second = broken["after_backward"][1]
         # The second backward's gradients stay on the parameters and no hook is counted:
@@ -177,7 +177,7 @@ def test_injected_faults_are_caught(runs, fault):
                     f"{torch.__version__}")
 def test_same_parameters_as_fsdp2(runs):
     cls, kw = OPTIMIZERS["adam"]
-    peer = launch.run(zero2.fsdp2_trajectory, 2, SPEC, cls, kw, STEPS, timeout=120)[0]
+    peer = launch.run(zero2_runs.fsdp2_trajectory, 2, SPEC, cls, kw, STEPS, timeout=120)[0]
     cases, results = runs(2)
     i = next(i for i, c in enumerate(cases) if c["optimizer_class"] is cls
              and c["bucket_numel"] == 50 and "fault" not in c and "accumulation" not in c)
@@ -223,7 +223,7 @@ def test_vit_l_memory_per_rank_follows_the_zero_formula(world):
 
 def test_real_gloo_ranks_agree_with_the_simulation():
     spec, kw = ZooSpec("transformer"), {"lr": 1e-3, "bucket_numel": 4096}
-    real = launch.run(zero2.rank_memory, 2, spec, kw, timeout=120)
+    real = launch.run(zero2_runs.rank_memory, 2, spec, kw, timeout=120)
     # Equal but for one reduction chunk: gloo's worker thread drops its reference to the
     # chunk a moment after dist.reduce returns, so on a real rank the chunk may still be alive
     # when the next allocation counts (seen once in CI: 4096 B over the simulation's peak).
@@ -585,9 +585,9 @@ def test_benchmark_zero2_step(benchmark, device):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each spawned rank runs
     try:
-        with launch.beside(zero2.follow, 2, *args, timeout=300,
+        with launch.beside(zero2_runs.follow, 2, *args, timeout=300,
                            backend="gloo" if device == "cpu" else "nccl"), \
-                zero2.Lockstep(*args) as lock:
+                zero2_runs.Lockstep(*args) as lock:
             lock.step()  # Adam's state exists from here on
             benchmark.pedantic(lock.step, rounds=100, warmup_rounds=5)
     finally:
@@ -601,7 +601,7 @@ def test_benchmark_zero2_step(benchmark, device):
 def test_parity_on_nccl():
     cls, kw = OPTIMIZERS["adam"]
     case = dict(spec=SPEC, optimizer_class=cls, kwargs=kw, bucket_numel=50, steps=STEPS)
-    results = launch.run(zero2.trajectories, 2, [case], backend="nccl", timeout=300)
+    results = launch.run(zero2_runs.trajectories, 2, [case], backend="nccl", timeout=300)
     ref = parameters_only(_reference(case))
     for rank in results:
         # GPU kernels differ from the CPU reference's in summation order, not more.

@@ -1,0 +1,191 @@
+"""ZeRO-2 (``hookbench.zero2``) trained on spawned ranks: what the report, the gate, the
+benchmarks and the tests run on each rank (through ``hookbench.launch``).
+
+    trajectory / trajectories   train a spec with ZeRO-2 on this rank's share of each batch;
+                                the parameters after every step and what each backward left
+    Lockstep / follow           ZeRO-2 steps led by rank 0, to time a step from one process
+    fsdp2_trajectory            the peer: the same training with FSDP2, torch's own ZeRO-2
+    rank_memory                 this rank's measured memory for one step
+    parity_cases, TOLERANCE     what parity with single-process training is checked on, and how
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hookbench.faults import inject
+from hookbench.memory import measure
+from hookbench.parity import Tolerance
+from hookbench.zero2 import Zero2
+from hookbench.zoo import TinySpec
+
+__all__ = ["PARITY_OPTIMIZERS", "PARITY_SPEC", "TOLERANCE", "Lockstep", "follow",
+           "fsdp2_trajectory", "parity_cases", "rank_memory", "trajectories", "trajectory"]
+
+# Against single-process training on the global batch: the reduction sums the ranks' mean
+# gradients and divides by N, where the reference takes one mean over the global batch, a
+# different order of fp32 additions. DeepSpeed's own tests compare with DDP + torch Adam at
+# rtol 1e-5, atol 1e-6 over 5 steps; so does hookbench.
+TOLERANCE = Tolerance(rtol=1e-5, atol=1e-6)
+
+# What hookbench report and hookbench gate check ZeRO-2 parity on: 227 parameters, so that the
+# shards cut parameters in two, and 50-element buckets, so that a backward reduces several.
+PARITY_SPEC = TinySpec(depth=3, width=8, batch_size=6)
+PARITY_OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "foreach": False}),
+                     "adam": (torch.optim.Adam, {"lr": 1e-2, "foreach": False})}
+
+
+def parity_cases(fault: str | None = None) -> list[dict[str, Any]]:
+    """``trajectory`` keyword arguments for each of ``PARITY_OPTIMIZERS``: 5 steps."""
+    return [dict(spec=PARITY_SPEC, optimizer_class=cls, kwargs=kw, bucket_numel=50, steps=5,
+                 fault=fault) for cls, kw in PARITY_OPTIMIZERS.values()]
+
+
+def trajectories(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Run ``trajectory`` for each case (its keyword arguments) on this rank: one process start
+    serves many configurations."""
+    return [trajectory(rank, world, **case) for case in cases]
+
+
+def _local(spec: Any, index: int, rank: int, world: int, device: str):
+    """This rank's share of global batch ``index``."""
+    x, y = spec.batch(index)
+    if len(x) % world:
+        raise ValueError(f"batch of {len(x)} does not split over {world} ranks")
+    b = len(x) // world
+    return x[rank * b:(rank + 1) * b].to(device), y[rank * b:(rank + 1) * b].to(device)
+
+
+def _device(rank: int) -> str:
+    if dist.get_backend() == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"
+
+
+def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
+               bucket_numel: int, steps: int = 5, accumulation: int = 1,
+               fault: str | None = None,
+               groups: list[tuple[list[str], dict]] | None = None) -> dict[str, Any]:
+    """Train ``spec`` with ZeRO-2 on this rank's share of each global batch (run it on every
+    rank, e.g. through ``hookbench.launch.run``). Returns the full parameters after every
+    step, and what each backward left behind: gradients on the model's parameters, the shard's
+    gradient size, and the hook calls per parameter. ``groups``: param groups as (parameter
+    names, options). ``fault`` names a ``hookbench.faults`` fault to inject; an error it
+    causes is returned, not raised, so every rank finishes."""
+    device = _device(rank)
+    model = spec.build().to(device)
+    snapshots: list[dict[str, torch.Tensor]] = []
+    after_backward: list[dict[str, Any]] = []
+    result = {"snapshots": snapshots, "after_backward": after_backward, "error": None}
+    named = dict(model.named_parameters())
+    params = None if groups is None else [{"params": [named[n] for n in names], **options}
+                                          for names, options in groups]
+    with inject(fault), Zero2(model, optimizer_class, params, bucket_numel=bucket_numel,
+                              **kwargs) as zero:
+        result.update(shard_numel=sum(f.shard_numel for f in zero.flats))
+        try:
+            for i in range(steps):
+                for micro in range(accumulation):
+                    x, y = _local(spec, i * accumulation + micro, rank, world, device)
+                    zero.hook_calls.clear()  # so that a backward whose hooks never fire shows
+                    (spec.loss(model(x), y) / accumulation).backward()
+                    after_backward.append({
+                        "param_grads": [n for n, p in model.named_parameters()
+                                        if p.grad is not None],
+                        "shard_grad_numel": sum(f.grad.numel() for f in zero.flats
+                                                if f.grad is not None),
+                        "hook_calls": dict(zero.hook_calls),
+                    })
+                zero.step()
+                zero.zero_grad()
+                snapshots.append({n: p.detach().cpu().clone()
+                                  for n, p in model.named_parameters()})
+            result["full_state"] = None if zero.simulated else zero.full_state_dict()
+        except Exception as e:  # noqa: BLE001 - under a fault anything may break; say what
+            if fault is None:
+                raise
+            result["error"] = f"{type(e).__name__}: {e}"
+    return result
+
+
+class Lockstep:
+    """ZeRO-2 training led by rank 0, to time a step from one process: before each step rank
+    0 broadcasts whether there is one, and the other ranks (``follow``) take as many as it
+    asks for. Every step trains on the same global batch ``spec.batch(0)``. On nccl each rank
+    uses its own GPU, and a step returns when the GPU has finished it."""
+
+    def __init__(self, spec: Any, optimizer_class: type, kwargs: dict, bucket_numel: int):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.device = _device(rank)
+        self.spec, self.model = spec, spec.build().to(self.device)
+        self.batch = _local(spec, 0, rank, world, self.device)
+        self.zero = Zero2(self.model, optimizer_class, bucket_numel=bucket_numel, **kwargs)
+
+    def step(self, go: bool = True) -> bool:
+        flag = torch.tensor([int(go)], device=self.device)
+        dist.broadcast(flag, src=0)
+        if not flag.item():  # on a GPU this waits for the broadcast, and so for the last step
+            return False
+        x, y = self.batch
+        self.spec.loss(self.model(x), y).backward()
+        self.zero.step()
+        self.zero.zero_grad()
+        if self.device != "cpu":
+            torch.cuda.synchronize()
+        return True
+
+    def __enter__(self) -> Lockstep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if dist.get_rank() == 0:
+                self.step(go=False)  # releases the followers
+        finally:
+            self.zero.remove()
+
+
+def follow(rank: int, world: int, *args: Any) -> int:
+    """A rank of ``Lockstep`` other than 0: steps until rank 0 stops; returns how many."""
+    steps = 0
+    with Lockstep(*args) as lock:
+        while lock.step():
+            steps += 1
+    return steps
+
+
+def fsdp2_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
+                     steps: int = 5) -> dict[str, torch.Tensor]:
+    """The peer: the same training with FSDP2 ``fully_shard(reshard_after_forward=False)``,
+    torch's own ZeRO-2 analogue, on the same group; the full parameters at the end."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = _device(rank)
+    mesh = init_device_mesh(torch.device(device).type, (world,))
+    model = spec.build().to(device)
+    for layer in model.children():
+        if any(p.requires_grad for p in layer.parameters()):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    opt = optimizer_class(model.parameters(), **kwargs)
+    for i in range(steps):
+        x, y = _local(spec, i, rank, world, device)
+        spec.loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.full_tensor().detach().cpu().clone() for n, p in model.named_parameters()}
+
+
+def rank_memory(rank: int, world: int, spec: Any, kwargs: dict) -> dict[str, Any]:
+    """This rank's measured memory for one ZeRO-2 step (the tracker on real tensors)."""
+    backend = "cuda" if dist.get_backend() == "nccl" else "eager"
+    if backend == "cuda":
+        _device(rank)
+    result = measure(spec, "zero2", backend=backend, optimizer_kwargs=kwargs)
+    return {"peak": result.peak, "breakdown": result.peak_breakdown,
+            "timeline": result.timeline}
