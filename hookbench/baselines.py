@@ -38,9 +38,15 @@ import torch
 
 from hookbench.parity import Snapshot
 
-__all__ = ["DEFAULT", "environment", "fingerprint", "final_parameters", "load", "save"]
+__all__ = ["DEFAULT", "checkpoint_folder", "environment", "fingerprint", "final_parameters",
+           "load", "save"]
 
 DEFAULT = Path("baselines") / "gate.json"  # relative to the checkout, where hookbench is run
+
+
+def checkpoint_folder(baseline: str | Path = DEFAULT) -> Path:
+    """Where the checkpoint files of a baseline are: checkpoints/ beside its json."""
+    return Path(baseline).parent / "checkpoints"
 
 
 def environment() -> dict[str, str]:

@@ -41,6 +41,7 @@ from hookbench.optimizer_in_backward import OptimizerInBackward
 from hookbench.parity import FAMILIES, Snapshot
 from hookbench.report import attempt
 from hookbench.zero2 import Zero2
+from hookbench.zero2_runs import local_batch
 from hookbench.zoo import TinySpec
 
 __all__ = ["CONTINUED", "SPEC", "VARIANTS", "WRITTEN_AFTER", "resume", "schema", "write"]
@@ -110,19 +111,29 @@ def _train(model: torch.nn.Module, optimizer: Any, steps: range, rank: int = 0,
     the parameters and the state ``optimizer`` holds for them (none for ZeRO-2's pieces)."""
     snapshots = []
     for i in steps:
-        x, y = SPEC.batch(i)
-        share = len(x) // world
-        x, y = x[rank * share:(rank + 1) * share], y[rank * share:(rank + 1) * share]
+        x, y = local_batch(SPEC, i, rank, world, "cpu")
         SPEC.loss(model(x), y).backward()
         optimizer.step()  # OptimizerInBackward stepped in backward; its step() is a no-op
         optimizer.zero_grad()
         state = getattr(optimizer, "state", {})
-        snapshot = {n: p.detach().clone() for n, p in model.named_parameters()}
+        snapshot = {}
         for n, p in model.named_parameters():
+            snapshot[n] = p.detach().clone()
             for key, value in state.get(p, {}).items():
                 snapshot[f"{n}/{key}"] = torch.as_tensor(value).detach().clone()
         snapshots.append(snapshot)
     return snapshots
+
+
+def _continue(saved: dict[str, Any], model: torch.nn.Module, optimizer: Any, rank: int = 0,
+              world: int = 1) -> dict[str, Any]:
+    """Load ``saved`` into ``optimizer`` (the model holds it already), train ``CONTINUED``
+    steps: the schemas of the file and of the state saved again, and the continuation."""
+    optimizer.load_state_dict(saved["optimizer"])
+    continued = _train(model, optimizer, range(WRITTEN_AFTER, WRITTEN_AFTER + CONTINUED),
+                       rank, world)
+    resaved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+    return {"schema": schema(saved), "resaved": schema(resaved), **fingerprint(continued)}
 
 
 def _path(directory: Path, family: str, variant: str, rank: int | None = None) -> Path:
@@ -179,12 +190,9 @@ def _resume_one(directory: Path, family: str, variant: str) -> dict[str, Any]:
     model.load_state_dict(saved["model"])
     optimizer = _optimizer(written, model, family)
     try:
-        optimizer.load_state_dict(saved["optimizer"])
-        continued = _train(model, optimizer, range(WRITTEN_AFTER, WRITTEN_AFTER + CONTINUED))
-        resaved = {"model": model.state_dict(), "optimizer": optimizer.state_dict()}
+        return _continue(saved, model, optimizer)
     finally:
         getattr(optimizer, "remove", lambda: None)()
-    return {"schema": schema(saved), "resaved": schema(resaved), **fingerprint(continued)}
 
 
 def resume(directory: str | Path, families: tuple[str, ...] = tuple(FAMILIES),
@@ -219,11 +227,7 @@ def _resume_zero2(rank: int, world: int, directory: str, families: tuple[str, ..
         model = SPEC.build()
         model.load_state_dict(saved["model"])
         with Zero2(model, cls, bucket_numel=BUCKET, **kwargs, foreach=False) as zero:
-            zero.load_state_dict(saved["optimizer"])
-            continued = _train(model, zero, range(WRITTEN_AFTER, WRITTEN_AFTER + CONTINUED),
-                               rank, world)
-            resaved = {"model": model.state_dict(), "optimizer": zero.state_dict()}
-        return {"schema": schema(saved), "resaved": schema(resaved), **fingerprint(continued)}
+            return _continue(saved, model, zero, rank, world)
 
     with inject(fault):
         return {family: attempt(lambda: one(family)) for family in families}

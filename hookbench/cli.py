@@ -195,7 +195,7 @@ def _record(args: argparse.Namespace) -> int:
                   f"{torch.__version__}:\n  " + "\n  ".join(failed))
             return 1
         if "checkpoints" in sections:
-            folder = _checkpoint_dir(target)
+            folder = baselines.checkpoint_folder(target)
             folder.mkdir(parents=True, exist_ok=True)
             for old in folder.glob("*.pt"):
                 old.unlink()
@@ -208,10 +208,6 @@ def _record(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checkpoint_dir(baseline: str | Path) -> Path:
-    return Path(baseline).parent / gate.CHECKPOINTS
-
-
 def _gate(args: argparse.Namespace) -> int:
     base = baselines.load(args.baseline)
     sections = _chosen(args.sections, gate.SECTIONS, "gate sections")
@@ -220,7 +216,7 @@ def _gate(args: argparse.Namespace) -> int:
     _progress(f"gate: torch {torch.__version__} against the baseline of torch "
               f"{base['recorded_with']['torch']} ({args.baseline}) ...")
     result = gate.gate(base, sections, models, args.fault, device, time_slack=args.time_slack,
-                       checkpoint_dir=_checkpoint_dir(args.baseline),
+                       checkpoint_dir=baselines.checkpoint_folder(args.baseline),
                        strict_warnings=args.strict_warnings)
     print(report.render(list(result.values()), title="hookbench gate"))
     failed = [name for name, s in result.items() if not s.ok]
@@ -237,7 +233,8 @@ def _selfcheck(args: argparse.Namespace) -> int:
     sections = _chosen(args.sections, gate.SECTIONS, "gate sections")
     models = _chosen(args.models, tuple(ZOO), "models")
     json_path = _writable_file(args.json, "--json") if args.json else None
-    caught = gate.selfcheck(base, sections, models, _progress, _checkpoint_dir(args.baseline))
+    caught = gate.selfcheck(base, sections, models, _progress,
+                            baselines.checkpoint_folder(args.baseline))
     width = max(map(len, FAULTS))
     print(f"hookbench selfcheck: the gate under each injected fault, torch {torch.__version__}")
     for fault, failed in caught.items():

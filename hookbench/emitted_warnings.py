@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hookbench.activation_capture import ActivationCapture
 from hookbench.optimizer_in_backward import OptimizerInBackward
+from hookbench.report import attempt
 from hookbench.zero2 import Zero2
 from hookbench.zoo import TinySpec
 
@@ -104,15 +105,11 @@ RUNS: dict[str, Callable[[], None]] = {
 
 
 def run_all() -> dict[str, Any]:
-    """Per run: the sorted warnings it emitted, or ``{"error": ...}`` for a run that raised."""
+    """Per run: the sorted warnings it emitted, or what stopped it (``report.attempt``)."""
     out: dict[str, Any] = {}
     for name, run in RUNS.items():
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            try:
-                run()
-            except Exception as e:  # noqa: BLE001 - the row fails naming it
-                out[name] = {"error": f"{type(e).__name__}: {e}"}
-                continue
-        out[name] = sorted({describe(w) for w in caught})
+            stopped = attempt(lambda: run() or {})  # {} when it ran, else what stopped it
+        out[name] = stopped or sorted({describe(w) for w in caught})
     return out

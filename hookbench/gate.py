@@ -74,7 +74,6 @@ TIME_TARGETS = {"in_backward_grouped_vs_foreach": 1.10, "capture_stats_vs_plain"
 
 
 CRASHED = "crashed"  # the key of a section whose measurement as a whole raised
-CHECKPOINTS = "checkpoints"  # the folder of checkpoint files, beside the baseline's json
 # Sections that take seconds (rank processes, compilation) run in selfcheck clean and under the
 # faults written for them only; the others run under every fault.
 SCOPED = {"collectives": ("reduce_scatter_ignores_op",),
@@ -191,7 +190,7 @@ def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = 
     ``zero2_ranks``: the ranks' results if already run (``selfcheck`` runs all at once).
     ``checkpoint_dir``: where the baseline's checkpoint files are (default: checkpoints/
     beside ``baselines.DEFAULT``)."""
-    checkpoint_dir = checkpoint_dir or baselines.DEFAULT.parent / CHECKPOINTS
+    checkpoint_dir = checkpoint_dir or baselines.checkpoint_folder()
     if "zero2" in sections and zero2_ranks is None:
         try:
             zero2_ranks = run_zero2_ranks([fault])[fault]
@@ -241,7 +240,7 @@ def record(models: tuple[str, ...] = RECORD_MODELS, sections: tuple[str, ...] = 
     """The baseline of the installed torch (``hookbench record`` saves it); parity is live
     only: it compares two strategies now and stores nothing. The checkpoint files are written
     into ``checkpoint_dir`` first, then resumed like the gate resumes them."""
-    checkpoint_dir = checkpoint_dir or baselines.DEFAULT.parent / CHECKPOINTS
+    checkpoint_dir = checkpoint_dir or baselines.checkpoint_folder()
     if "checkpoints" in sections:
         checkpoints.write(checkpoint_dir)
     return measure_all(tuple(s for s in sections if s != "parity"), models,

@@ -23,7 +23,8 @@ from hookbench.zero2 import Zero2
 from hookbench.zoo import TinySpec
 
 __all__ = ["PARITY_OPTIMIZERS", "PARITY_SPEC", "TOLERANCE", "Lockstep", "follow",
-           "fsdp2_trajectory", "parity_cases", "rank_memory", "trajectories", "trajectory"]
+           "fsdp2_trajectory", "local_batch", "parity_cases", "rank_memory", "trajectories",
+           "trajectory"]
 
 # Against single-process training on the global batch: the reduction sums the ranks' mean
 # gradients and divides by N, where the reference takes one mean over the global batch, a
@@ -50,7 +51,7 @@ def trajectories(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dic
     return [trajectory(rank, world, **case) for case in cases]
 
 
-def _local(spec: Any, index: int, rank: int, world: int, device: str):
+def local_batch(spec: Any, index: int, rank: int, world: int, device: str):
     """This rank's share of global batch ``index``."""
     x, y = spec.batch(index)
     if len(x) % world:
@@ -90,7 +91,7 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
         try:
             for i in range(steps):
                 for micro in range(accumulation):
-                    x, y = _local(spec, i * accumulation + micro, rank, world, device)
+                    x, y = local_batch(spec, i * accumulation + micro, rank, world, device)
                     zero.hook_calls.clear()  # so that a backward whose hooks never fire shows
                     (spec.loss(model(x), y) / accumulation).backward()
                     after_backward.append({
@@ -122,7 +123,7 @@ class Lockstep:
         rank, world = dist.get_rank(), dist.get_world_size()
         self.device = _device(rank)
         self.spec, self.model = spec, spec.build().to(self.device)
-        self.batch = _local(spec, 0, rank, world, self.device)
+        self.batch = local_batch(spec, 0, rank, world, self.device)
         self.zero = Zero2(self.model, optimizer_class, bucket_numel=bucket_numel, **kwargs)
 
     def step(self, go: bool = True) -> bool:
@@ -174,7 +175,7 @@ def fsdp2_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kw
     fully_shard(model, mesh=mesh, reshard_after_forward=False)
     opt = optimizer_class(model.parameters(), **kwargs)
     for i in range(steps):
-        x, y = _local(spec, i, rank, world, device)
+        x, y = local_batch(spec, i, rank, world, device)
         spec.loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()

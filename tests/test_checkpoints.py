@@ -14,7 +14,7 @@ from hookbench.faults import inject
 from hookbench.report import render
 
 BASELINE = Path(__file__).resolve().parent.parent / "baselines" / "gate.json"
-FOLDER = BASELINE.parent / gate.CHECKPOINTS
+FOLDER = baselines.checkpoint_folder(BASELINE)
 
 
 def _judge(base, now):
@@ -119,7 +119,7 @@ def test_record_writes_the_files_beside_the_baseline(tmp_path):
 
     target = tmp_path / "gate.json"
     assert main(["record", "--baseline", str(target), "--sections", "checkpoints"]) == 0
-    written = sorted(p.name for p in (tmp_path / gate.CHECKPOINTS).glob("*.pt"))
+    written = sorted(p.name for p in baselines.checkpoint_folder(target).glob("*.pt"))
     assert written == sorted(p.name for p in FOLDER.glob("*.pt"))
     assert main(["gate", "--baseline", str(target), "--sections", "checkpoints"]) == 0
 

@@ -233,7 +233,7 @@ def test_record_refuses_a_baseline_with_failed_measurements(tmp_path, capsys, mo
                  "--models", "transformer"]) == 1
     out = capsys.readouterr().out
     assert "NOT written: 1 measurements failed" in out and "memory/transformer/zero2" in out
-    assert not target.exists() and not (tmp_path / gate.CHECKPOINTS).exists()
+    assert not target.exists() and not baselines.checkpoint_folder(target).exists()
 
 
 @pytest.mark.parametrize("argv, message", [
