@@ -1,8 +1,10 @@
-"""hookbench's pytest configuration: tiers, profiles, seeding and the hook-leak guard.
+"""This repository's pytest configuration: tiers, profiles, seeding, the GPU and torchvision
+gates, benchmark ratios and the hook-leak guard. What a user's suite gets too (the
+``--hookbench-fault`` option, the ``hookbench`` fixture) is the plugin, hookbench/pytest_plugin.py.
 
 Test tiers (markers are registered in pyproject.toml and enforced with --strict-markers):
 
-    pytest                              everything this machine can run (GPU tests skip), ~5 min
+    pytest                              everything this machine can run (GPU tests skip), ~7.5 min
     pytest -m "not slow"                the quick loop while developing
     pytest -m gpu                       the GPU tier; needs CUDA, each test skips with a reason
     pytest -m distributed               tests that spawn torch.distributed worker processes
@@ -28,7 +30,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
-from hookbench.faults import FAULTS, inject
 from hookbench.leak_guard import HookLeakGuard, HookTracker
 
 # Each example trains small models for a few steps (tens of ms), so no per-example deadline:
@@ -47,13 +48,6 @@ settings.register_profile(
 settings.register_profile("fault", settings.get_profile("ci"),
                           phases=[Phase.explicit, Phase.reuse, Phase.generate])
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption(
-        "--hookbench-fault", choices=sorted(FAULTS), default=None,
-        help="inject this PyTorch hook fault into every test; the suite must then fail",
-    )
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-benchmark opens its storage
@@ -122,11 +116,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     cuda = torch.cuda.get_device_name() if torch.cuda.is_available() else "not available"
-    lines = [f"hookbench: torch {torch.__version__}, CUDA {cuda}"]
-    fault = config.getoption("--hookbench-fault")
-    if fault:
-        lines.append(f"hookbench: FAULT INJECTED: {fault}")
-    return lines
+    return [f"hookbench: torch {torch.__version__}, CUDA {cuda}"]
 
 
 def _torchvision_missing() -> str | None:
@@ -222,11 +212,3 @@ def _no_leaked_hooks(request: pytest.FixtureRequest):
     with HookLeakGuard(request.config.stash.get(_HOOK_TRACKER, None)) as guard:
         yield
     _fail_on_leaks(guard, "the test")
-
-
-@pytest.fixture(autouse=True, scope="session")
-def _injected_fault(request: pytest.FixtureRequest):
-    # Session-wide, so that module-scoped fixtures (a gate section measured once per file)
-    # run under the fault too.
-    with inject(request.config.getoption("--hookbench-fault")):
-        yield

@@ -39,7 +39,7 @@ from hookbench.baselines import fingerprint
 from hookbench.faults import inject
 from hookbench.optimizer_in_backward import OptimizerInBackward
 from hookbench.parity import FAMILIES, Snapshot
-from hookbench.report import attempt
+from hookbench.prerequisites import attempt
 from hookbench.zero2 import Zero2
 from hookbench.zero2_runs import local_batch
 from hookbench.zoo import TinySpec

@@ -24,13 +24,17 @@ from pathlib import Path
 
 import torch
 
-from hookbench import baselines, gate, launch, plot, report, zero2_runs
+from hookbench import baselines, checks, gate, launch, plot, report, zero2_runs
 from hookbench.activation_capture import ActivationCapture
 from hookbench.coord_check import QUANTITIES, coord_check, ratios
 from hookbench.faults import FAULTS
 from hookbench.memory import measure
 from hookbench.parity import compare, parameters_only, trajectory
-from hookbench.zoo import ZOO, ZooSpec
+from hookbench.prerequisites import attempt
+from hookbench.workload import Workload, configured, load
+from hookbench.workload_checks import refusal
+from hookbench.zoo import ZOO
+from hookbench.zoo import workload as zoo_workload
 
 
 def _progress(message: str) -> None:
@@ -73,6 +77,43 @@ def _writable_file(path: str, option: str) -> Path:
     return target
 
 
+def _workloads(args: argparse.Namespace) -> tuple[list[Workload], dict]:
+    """The workloads ``--workload`` names (an import path, or a zoo model's name), else those
+    of ``[tool.hookbench]`` in the nearest pyproject.toml; and that table."""
+    config = configured()
+    root = config.get("root", ".")
+    paths = getattr(args, "workload", None) or config.get("workloads", [])
+    return [w for path in paths
+            for w in ([zoo_workload(path)] if path in ZOO else load(path, root))], config
+
+
+def _one_workload(args: argparse.Namespace) -> Workload:
+    """``--workload`` if given (it must name one), else the zoo's ``--model``."""
+    if not args.workload:
+        return zoo_workload(args.model, batch_size=args.batch_size)
+    found, _ = _workloads(args)
+    if len(found) != 1:
+        raise ValueError(f"--workload names {len(found)} workloads "
+                         f"({', '.join(w.name for w in found)}); {args.command} takes one")
+    return found[0]
+
+
+def _gated(args: argparse.Namespace) -> tuple[list[Workload], tuple[str, ...], str]:
+    """What record and gate cover: the user's workloads (from --workload or pyproject.toml)
+    with the hooks and workloads sections and their baseline, or the zoo's sections."""
+    workloads, config = _workloads(args)
+    default = gate.WORKLOAD_SECTIONS if workloads else gate.SECTIONS
+    sections = _chosen(args.sections or ",".join(default), gate.SECTIONS, "gate sections")
+    if "workloads" in sections and not workloads and args.sections:
+        raise ValueError("the workloads section needs --workload package.module:attribute, or "
+                         "workloads in [tool.hookbench] of pyproject.toml")
+    baseline = args.baseline or config.get("baseline")
+    if baseline is None and workloads:
+        raise ValueError("name the baseline of your workloads: --baseline PATH, or baseline "
+                         "in [tool.hookbench] of pyproject.toml")
+    return workloads, sections, baseline or str(baselines.DEFAULT)
+
+
 def _backend(device: str) -> str:
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: the cuda backend needs CUDA, and "
@@ -83,13 +124,13 @@ def _backend(device: str) -> str:
 def _report(args: argparse.Namespace) -> int:
     backend = _backend(args.device)
     chosen = _chosen(args.sections, SECTIONS, "report sections")
-    spec = ZooSpec(args.model, batch_size=args.batch_size)
+    spec = _one_workload(args)
     out = _output_dir(args.out)
     sections, results, written = [], [], [out / "report.json"]
     if "contract" in chosen:
-        sections.append(report.contract_section())
+        sections.append(checks.contract_section())
     if "optimizer" in chosen:
-        sections.append(report.optimizer_in_backward_section())
+        sections.append(checks.optimizer_in_backward_section())
     if "memory" in chosen:
         stopped: dict[str, dict[str, str]] = {}
         for strategy in report.MEMORY_STRATEGIES:
@@ -98,16 +139,22 @@ def _report(args: argparse.Namespace) -> int:
                       f"backend {backend} ...")
             snapshot = (out / f"snapshot-{spec.name}-{strategy}.pickle"
                         if backend == "cuda" else None)
-            got = report.attempt(lambda: {"result": measure(spec, strategy, backend=backend,
-                                                            snapshot_path=snapshot)})
+            measured = spec.replace(compile=None) if backend == "fake" else spec
+            got = attempt(lambda: {"result": measure(measured, strategy, backend=backend,
+                                                     snapshot_path=snapshot)})
+            why = refusal(spec, strategy)
+            if why:  # it must refuse, before it changes anything
+                got = ({"refused": ": ".join(got["error"].split(": ")[:2]) + f" ({why})"}
+                       if "error" in got
+                       else {"error": f"measured a {spec.precision} step; it must refuse ({why})"})
             if "result" not in got:
                 stopped[strategy] = got
-                _progress(f"  stopped: {got.get('error') or got['skipped']}")
+                _progress(f"  stopped: {got.get('error') or got.get('refused') or got['skipped']}")
                 continue
             results.append(got["result"])
             _progress(f"  peak {results[-1].peak / 1e9:.3f} GB "
                       f"({time.perf_counter() - started:.1f} s)")
-        sections.append(report.memory_section(results, stopped))
+        sections.append(report.memory_section(results, stopped, spec.optimizer[0].__name__))
         if results:
             written.insert(0, plot.memory_timeline(results, out / "memory.png"))
     if "zero2" in chosen:
@@ -125,7 +172,7 @@ def _report(args: argparse.Namespace) -> int:
     return 0 if all(s.ok for s in sections) else 1
 
 
-def _zero2_demo(rank: int, world: int, spec: ZooSpec, steps: int,
+def _zero2_demo(rank: int, world: int, spec: Workload, steps: int,
                 bucket_numel: int) -> dict:
     """One rank of the demo: train, measure this rank's step, check against the reference.
 
@@ -147,13 +194,13 @@ def _zero2(args: argparse.Namespace) -> int:
 
     import torch.distributed as dist
 
-    spec = ZooSpec(args.model, batch_size=2 * args.nproc)
+    spec = zoo_workload(args.model, batch_size=2 * args.nproc)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if under_torchrun:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         try:
             world = dist.get_world_size()
-            spec = ZooSpec(args.model, batch_size=2 * world)
+            spec = zoo_workload(args.model, batch_size=2 * world)
             mine = _zero2_demo(dist.get_rank(), world, spec, args.steps, args.bucket_numel)
             ranks = [None] * world
             dist.all_gather_object(ranks, mine)
@@ -183,12 +230,13 @@ def _zero2(args: argparse.Namespace) -> int:
 
 def _record(args: argparse.Namespace) -> int:
     models = _chosen(args.models, tuple(ZOO), "models")
-    sections = _chosen(args.sections, gate.SECTIONS, "gate sections")
-    target = _writable_file(args.baseline, "--baseline")
-    _progress(f"recording the gate's baseline on torch {torch.__version__} (models "
-              f"{', '.join(models)}; a few minutes) ...")
+    workloads, sections, baseline = _gated(args)
+    target = _writable_file(baseline, "--baseline")
+    _progress(f"recording the gate's baseline on torch {torch.__version__} ("
+              + (f"workloads {', '.join(w.name for w in workloads)}" if workloads else
+                 f"models {', '.join(models)}; a few minutes") + ") ...")
     with tempfile.TemporaryDirectory() as staging:  # files land only with a good baseline
-        data = gate.record(models, sections, staging)
+        data = gate.record(models, sections, staging, workloads)
         failed = gate.failures(data)
         if failed:  # a baseline is what the next torch must reproduce: never one with failures
             print(f"hookbench record: NOT written: {len(failed)} measurements failed on torch "
@@ -209,15 +257,15 @@ def _record(args: argparse.Namespace) -> int:
 
 
 def _gate(args: argparse.Namespace) -> int:
-    base = baselines.load(args.baseline)
-    sections = _chosen(args.sections, gate.SECTIONS, "gate sections")
+    workloads, sections, baseline = _gated(args)
+    base = baselines.load(baseline)
     models = _chosen(args.models, tuple(ZOO), "models")
     device = _backend(args.device)
     _progress(f"gate: torch {torch.__version__} against the baseline of torch "
-              f"{base['recorded_with']['torch']} ({args.baseline}) ...")
+              f"{base['recorded_with']['torch']} ({baseline}) ...")
     result = gate.gate(base, sections, models, args.fault, device, time_slack=args.time_slack,
-                       checkpoint_dir=baselines.checkpoint_folder(args.baseline),
-                       strict_warnings=args.strict_warnings)
+                       checkpoint_dir=baselines.checkpoint_folder(baseline),
+                       strict_warnings=args.strict_warnings, workloads=workloads)
     print(report.render(list(result.values()), title="hookbench gate"))
     failed = [name for name, s in result.items() if not s.ok]
     skipped = sum(s.skipped for s in result.values())
@@ -229,12 +277,12 @@ def _gate(args: argparse.Namespace) -> int:
 
 
 def _selfcheck(args: argparse.Namespace) -> int:
-    base = baselines.load(args.baseline)
-    sections = _chosen(args.sections, gate.SECTIONS, "gate sections")
+    base = baselines.load(args.baseline or baselines.DEFAULT)
+    sections = _chosen(args.sections or ",".join(gate.SECTIONS), gate.SECTIONS, "gate sections")
     models = _chosen(args.models, tuple(ZOO), "models")
     json_path = _writable_file(args.json, "--json") if args.json else None
     caught = gate.selfcheck(base, sections, models, _progress,
-                            baselines.checkpoint_folder(args.baseline))
+                            baselines.checkpoint_folder(args.baseline or baselines.DEFAULT))
     width = max(map(len, FAULTS))
     print(f"hookbench selfcheck: the gate under each injected fault, torch {torch.__version__}")
     for fault, failed in caught.items():
@@ -256,12 +304,13 @@ def _selfcheck(args: argparse.Namespace) -> int:
 
 
 def _capture(args: argparse.Namespace) -> int:
-    spec = ZooSpec(args.model, batch_size=args.batch_size)
+    spec = _one_workload(args)
     model = spec.build().eval()
-    x, _ = spec.batch(0)
-    with torch.no_grad(), ActivationCapture(model, include=args.include or None,
-                                            exclude=args.exclude or None, stats=args.stats) as cap:
-        model(x)
+    x, _ = spec.data(0)
+    with torch.no_grad(), spec.autocast("cpu"), ActivationCapture(
+            model, include=args.include or None, exclude=args.exclude or None,
+            stats=args.stats) as cap:
+        model(*x) if isinstance(x, tuple) else model(x)
     rows = cap.table()
     if not rows:
         raise ValueError("the selected modules produced no output in forward (a module whose "
@@ -332,6 +381,11 @@ def _coord_check(args: argparse.Namespace) -> int:
     return 0 if result.passed else 1
 
 
+WORKLOAD_HELP = ("a workload by import path, package.module:attribute (a hookbench.Workload, a "
+                 "list of them, or a function returning either), or a zoo model's name; "
+                 "repeatable. Default: workloads in [tool.hookbench] of pyproject.toml")
+
+
 class _Parser(argparse.ArgumentParser):
     """Bad arguments: one line naming the problem, exit code 2 (not the usage block)."""
 
@@ -354,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="memory backend: cuda (allocator statistics) or fake (FakeTensorMode "
                           "accounting, no GPU needed); auto picks cuda when present")
     rep.add_argument("--model", choices=sorted(ZOO), default="vit_l_16")
+    rep.add_argument("--workload", action="append", help=WORKLOAD_HELP)
     rep.add_argument("--batch-size", type=int, default=1)
     rep.add_argument("--out", default="hookbench-out", help="folder for the PNG, JSON, snapshots")
     rep.add_argument("--sections", default=",".join(SECTIONS),
@@ -362,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
 
     cap = commands.add_parser("capture", help="capture a zoo model's activations, print a table")
     cap.add_argument("--model", choices=sorted(ZOO), default="resnet18")
+    cap.add_argument("--workload", action="append", help=WORKLOAD_HELP)
     cap.add_argument("--batch-size", type=int, default=1)
     cap.add_argument("--include", action="append", help="module name or glob; repeatable")
     cap.add_argument("--exclude", action="append", help="module name or glob; repeatable")
@@ -398,21 +454,25 @@ def main(argv: list[str] | None = None) -> int:
     z2.set_defaults(run=_zero2)
 
     def baseline_options(command: argparse.ArgumentParser, models: tuple[str, ...]) -> None:
-        command.add_argument("--baseline", default=str(baselines.DEFAULT),
-                             help="the gate's baseline (default: %(default)s)")
+        command.add_argument("--baseline",
+                             help=f"the gate's baseline (default: baseline in [tool.hookbench] "
+                                  f"of pyproject.toml, else {baselines.DEFAULT})")
         command.add_argument("--models", default=",".join(models),
                              help="comma-separated zoo models for the memory section "
                                   "(default: %(default)s)")
-        command.add_argument("--sections", default=",".join(gate.SECTIONS),
-                             help="comma-separated (default: %(default)s)")
+        command.add_argument("--sections",
+                             help=f"comma-separated (default: {','.join(gate.SECTIONS)}; with "
+                                  f"workloads, {','.join(gate.WORKLOAD_SECTIONS)})")
 
     rec = commands.add_parser("record", help="record the upgrade gate's baseline on purpose "
                                              "(hook outcomes, checksums, memory, time ratios)")
     baseline_options(rec, gate.RECORD_MODELS)
+    rec.add_argument("--workload", action="append", help=WORKLOAD_HELP)
     rec.set_defaults(run=_record)
     gt = commands.add_parser("gate", help="the installed torch against the stored baseline; "
                                           "exits 1 when hooks, numerics, memory or time regress")
     baseline_options(gt, gate.MODELS)
+    gt.add_argument("--workload", action="append", help=WORKLOAD_HELP)
     gt.add_argument("--device", choices=("auto", "cuda", "fake"), default="fake",
                     help="memory backend; cuda compares the allocator's peak with the fake "
                          "baseline within 5%%")
@@ -437,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     # What cannot run here (bad arguments, no CUDA, no or a corrupt baseline): one line, exit 2.
     try:
         return args.run(args)
-    except (RuntimeError, ValueError, FileNotFoundError, ImportError) as e:
+    except (RuntimeError, ValueError, TypeError, FileNotFoundError, ImportError) as e:
         print(f"hookbench {args.command}: error: {e}", file=sys.stderr)
         return 2
 

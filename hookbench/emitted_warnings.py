@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hookbench.activation_capture import ActivationCapture
 from hookbench.optimizer_in_backward import OptimizerInBackward
-from hookbench.report import attempt
+from hookbench.prerequisites import attempt
 from hookbench.zero2 import Zero2
 from hookbench.zoo import TinySpec
 
@@ -105,7 +105,7 @@ RUNS: dict[str, Callable[[], None]] = {
 
 
 def run_all() -> dict[str, Any]:
-    """Per run: the sorted warnings it emitted, or what stopped it (``report.attempt``)."""
+    """Per run: the sorted warnings it emitted, or what stopped it (``prerequisites.attempt``)."""
     out: dict[str, Any] = {}
     for name, run in RUNS.items():
         with warnings.catch_warnings(record=True) as caught:

@@ -29,6 +29,10 @@ Sections (a failed row fails the gate):
               recorded, a pinned difference included
     warnings  the warnings each mechanism's standard run emits (``hookbench.emitted_warnings``):
               new and vanished ones listed; they fail only with --strict-warnings
+    workloads the user's own workloads (``--workload``, or ``[tool.hookbench]`` in their
+              pyproject.toml; ``hookbench.workload_checks``): each strategy's trajectory
+              against its stored checksum and live against its reference, ZeRO-2 on 2 gloo
+              ranks, the fake backend's peak per strategy; a designed refusal must stay one
     time      step-time ratios at most 50% (--time-slack) above the recorded ratio
 """
 
@@ -39,19 +43,27 @@ from typing import Any, Callable
 
 import torch
 
-from hookbench import (baselines, checkpoints, collectives, compiled_hooks, emitted_warnings,
-                       hook_contract, launch, report, zero2_runs)
+from hookbench import (baselines, checkpoints, checks, collectives, compiled_hooks,
+                       emitted_warnings, hook_contract, launch, workload_checks, zero2_runs)
 from hookbench.activation_capture import ActivationCapture
 from hookbench.faults import FAULTS, inject
 from hookbench.memory import CATEGORIES, measure
-from hookbench.parity import FAMILIES, compare, parameters_only, tolerance, training, trajectory
-from hookbench.report import Section
-from hookbench.zoo import BENCHMARK_MLP, ZooSpec
+from hookbench.prerequisites import attempt
+from hookbench.parity import (FAMILIES, Tolerance, compare, parameters_only, tolerance, training,
+                              trajectory)
+from hookbench.checks import ACCUMULATION, REPORT_SPEC, STEPS, Section
+from hookbench.workload import Workload
+from hookbench.zoo import BENCHMARK_MLP
+from hookbench.zoo import workload as zoo_workload
 
-__all__ = ["MODELS", "SECTIONS", "check", "measure_all", "record", "selfcheck"]
+__all__ = ["MODELS", "SECTIONS", "WORKLOAD_SECTIONS", "check", "measure_all", "record",
+           "selfcheck"]
 
 SECTIONS = ("hooks", "parity", "numerics", "zero2", "collectives", "checkpoints", "compile",
-            "warnings", "memory", "time")
+            "warnings", "memory", "workloads", "time")
+# What a gate of the user's own workloads runs by default: the hook contract (torch's own
+# behaviour) and the workloads' rows (``hookbench.workload_checks``).
+WORKLOAD_SECTIONS = ("hooks", "workloads")
 MODELS = ("transformer", "resnet18", "vit_b_16")  # the gate's default
 RECORD_MODELS = (*MODELS, "vit_l_16")  # recorded, so that --models vit_l_16 can be gated
 MEMORY_STRATEGIES = ("foreach", "forloop", "in_backward", "in_backward_grouped_foreach", "zero2")
@@ -91,8 +103,8 @@ def _section(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 
 def _numerics() -> dict[str, Any]:
-    spec, steps, k = report.REPORT_SPEC, report.STEPS, report.ACCUMULATION
-    return {f"{family}/{strategy}": report.attempt(lambda: baselines.fingerprint(
+    spec, steps, k = REPORT_SPEC, STEPS, ACCUMULATION
+    return {f"{family}/{strategy}": attempt(lambda: baselines.fingerprint(
                 trajectory(spec, cls, kw, strategy, steps=steps, accumulation=k)))
             for family, (cls, kw) in FAMILIES.items() for strategy in TRAJECTORY_STRATEGIES}
 
@@ -112,18 +124,10 @@ def _zero2(runs: list | BaseException) -> dict[str, Any]:
         raise runs
     out = {}
     for name, case, ranks in zip(zero2_runs.PARITY_OPTIMIZERS, zero2_runs.parity_cases(), runs):
-        problems = [f"rank {r}: {got['error']}" for r, got in enumerate(ranks) if got["error"]]
-        if problems:
+        problems = zero2_runs.rank_problems(ranks)
+        if any(got["error"] for got in ranks):
             out[name] = {"problems": problems}
             continue
-        for r, got in enumerate(ranks):
-            for i, after in enumerate(got["after_backward"]):
-                if after["param_grads"] or set(after["hook_calls"].values()) != {1}:
-                    problems.append(f"rank {r}, backward {i}: gradients left on "
-                                    f"{after['param_grads']}, hook calls {after['hook_calls']}")
-                    break
-            if not compare(got["snapshots"], ranks[0]["snapshots"]).bit_exact:
-                problems.append(f"rank {r} holds other parameters than rank 0")
         reference = parameters_only(trajectory(case["spec"], case["optimizer_class"],
                                                case["kwargs"], "forloop", steps=case["steps"]))
         parity = compare(ranks[0]["snapshots"], reference, zero2_runs.TOLERANCE)
@@ -135,13 +139,13 @@ def _zero2(runs: list | BaseException) -> dict[str, Any]:
 
 def _memory(models: tuple[str, ...], device: str) -> dict[str, Any]:
     def one(model: str, strategy: str) -> dict[str, Any]:
-        r = measure(ZooSpec(model), strategy, backend=device, world_size=ZERO2_WORLD,
+        r = measure(zoo_workload(model), strategy, backend=device, world_size=ZERO2_WORLD,
                     optimizer_kwargs={"lr": 1e-3, "bucket_numel": ZERO2_BUCKET}
                     if strategy == "zero2" else None)
         return {"peak": r.peak, "breakdown": r.peak_breakdown,
                 "gradients_alive_max": r.gradients_alive_max}
 
-    return {f"{m}/{s}": report.attempt(lambda: one(m, s)) for m in models for s in MEMORY_STRATEGIES}
+    return {f"{m}/{s}": attempt(lambda: one(m, s)) for m in models for s in MEMORY_STRATEGIES}
 
 
 def _ratio(slow: Callable[[], object], fast: Callable[[], object], rounds: int = 15) -> float:
@@ -172,20 +176,20 @@ def _time() -> dict[str, Any]:
 
     def capture() -> float:
         # Two copies: hooks on the captured one must not slow the plain forward down.
-        spec = ZooSpec("resnet18")
-        captured, plain, (x, _) = spec.build().eval(), spec.build().eval(), spec.batch(0)
+        spec = zoo_workload("resnet18")
+        captured, plain, (x, _) = spec.build().eval(), spec.build().eval(), spec.data(0)
         with torch.no_grad(), ActivationCapture(captured, stats=("rms", "mean_abs")) as cap:
             return _ratio(lambda: (cap.clear(), captured(x), cap.table()), lambda: plain(x))
 
-    value = report.attempt(lambda: {"ratio": capture()})
+    value = attempt(lambda: {"ratio": capture()})
     out["capture_stats_vs_plain"] = value.get("ratio", value)  # or what stopped it
     return out
 
 
 def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = MODELS,
                 fault: str | None = None, device: str = "fake",
-                zero2_ranks: list | None = None, checkpoint_dir: str | Path | None = None
-                ) -> dict[str, Any]:
+                zero2_ranks: list | None = None, checkpoint_dir: str | Path | None = None,
+                workloads: list[Workload] = ()) -> dict[str, Any]:
     """Everything the baseline holds, measured on the installed torch (under ``fault``).
     ``zero2_ranks``: the ranks' results if already run (``selfcheck`` runs all at once).
     ``checkpoint_dir``: where the baseline's checkpoint files are (default: checkpoints/
@@ -214,6 +218,8 @@ def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = 
             out["warnings"] = _section(emitted_warnings.run_all)
         if "memory" in sections:
             out["memory"] = _section(lambda: _memory(models, device))
+        if "workloads" in sections and workloads:
+            out["workloads"] = _section(lambda: workload_checks.measure_all(workloads, fault))
         if "time" in sections:
             out["time"] = _section(_time)
     return out
@@ -236,7 +242,8 @@ def failures(measured: dict[str, Any]) -> list[str]:
 
 
 def record(models: tuple[str, ...] = RECORD_MODELS, sections: tuple[str, ...] = SECTIONS,
-           checkpoint_dir: str | Path | None = None) -> dict[str, Any]:
+           checkpoint_dir: str | Path | None = None,
+           workloads: list[Workload] = ()) -> dict[str, Any]:
     """The baseline of the installed torch (``hookbench record`` saves it); parity is live
     only: it compares two strategies now and stores nothing. The checkpoint files are written
     into ``checkpoint_dir`` first, then resumed like the gate resumes them."""
@@ -244,7 +251,7 @@ def record(models: tuple[str, ...] = RECORD_MODELS, sections: tuple[str, ...] = 
     if "checkpoints" in sections:
         checkpoints.write(checkpoint_dir)
     return measure_all(tuple(s for s in sections if s != "parity"), models,
-                       checkpoint_dir=checkpoint_dir)
+                       checkpoint_dir=checkpoint_dir, workloads=workloads)
 
 
 # -- comparing -------------------------------------------------------------------------------
@@ -295,34 +302,39 @@ def _memory_section(base: dict, now: dict, device: str) -> Section:
                                                   f"exactly)" if device == "fake" else ""),
         ("model/strategy", "recorded", "now", "verdict"))
     for key, value in now.items():
-        rec = base.get(key)
         if section.add_stopped(value, key):
             continue
-        if rec is None:
-            section.add(False, key, "", _amount(value["peak"]), "no baseline recorded")
-            continue
-        pairs = [("peak", rec["peak"], value["peak"])]
-        if device == "fake":  # the CUDA backend's categories come from the same tracker
-            pairs += [(c, rec["breakdown"][c], value["breakdown"][c]) for c in CATEGORIES]
-            pairs.append(("gradients alive", rec["gradients_alive_max"],
-                          value["gradients_alive_max"]))
-        over = [f"{what} {_amount(n)} > recorded {_amount(r)} ({n / max(r, 1) - 1:+.1%})"
-                for what, r, n in pairs if n > r * (1 + slack) + (0 if r else 512)]
-        # Exact counting makes a drop as telling as a rise: memory that vanished is a tracker
-        # that stopped seeing allocations, or a real saving to re-record on purpose.
-        under = [f"{what} {_amount(n)} < recorded {_amount(r)} ({n / r - 1:+.1%})"
-                 for what, r, n in pairs if device == "fake" and n < r * (1 - slack)]
-        if device != "fake" and value["peak"] < rec["peak"] * (1 - slack):
-            under.append(f"peak {_amount(value['peak'])} < fake estimate {_amount(rec['peak'])}")
-        changed = [what for what, r, n in pairs if n != r]
-        verdict = ("; ".join(
-            (["EXCEEDED: " + "; ".join(over)] if over else [])
-            + (["DROPPED: " + "; ".join(under) + " (if intended, re-record on purpose with "
-                "`hookbench record`)"] if under else []))
-            or (f"changed: {', '.join(changed)}" if changed else "identical"))
-        section.add(not over and not under, key, _amount(rec["peak"]), _amount(value["peak"]),
-                    verdict)
+        ok, verdict = _memory_verdict(base.get(key), value, device)
+        section.add(ok, key, _amount(base[key]["peak"]) if key in base else "",
+                    _amount(value["peak"]), verdict)
     return section
+
+
+def _memory_verdict(rec: dict | None, value: dict, device: str) -> tuple[bool, str]:
+    """One measured step's memory against its recorded bytes."""
+    slack = MEMORY_SLACK if device == "fake" else CUDA_SLACK
+    if rec is None:
+        return False, "no baseline recorded"
+    pairs = [("peak", rec["peak"], value["peak"])]
+    if device == "fake":  # the CUDA backend's categories come from the same tracker
+        pairs += [(c, rec["breakdown"][c], value["breakdown"][c]) for c in CATEGORIES]
+        pairs.append(("gradients alive", rec["gradients_alive_max"],
+                      value["gradients_alive_max"]))
+    over = [f"{what} {_amount(n)} > recorded {_amount(r)} ({n / max(r, 1) - 1:+.1%})"
+            for what, r, n in pairs if n > r * (1 + slack) + (0 if r else 512)]
+    # Exact counting makes a drop as telling as a rise: memory that vanished is a tracker
+    # that stopped seeing allocations, or a real saving to re-record on purpose.
+    under = [f"{what} {_amount(n)} < recorded {_amount(r)} ({n / r - 1:+.1%})"
+             for what, r, n in pairs if device == "fake" and n < r * (1 - slack)]
+    if device != "fake" and value["peak"] < rec["peak"] * (1 - slack):
+        under.append(f"peak {_amount(value['peak'])} < fake estimate {_amount(rec['peak'])}")
+    changed = [what for what, r, n in pairs if n != r]
+    verdict = ("; ".join(
+        (["EXCEEDED: " + "; ".join(over)] if over else [])
+        + (["DROPPED: " + "; ".join(under) + " (if intended, re-record on purpose with "
+            "`hookbench record`)"] if under else []))
+        or (f"changed: {', '.join(changed)}" if changed else "identical"))
+    return not over and not under, verdict
 
 
 def _collectives_section(base: dict, now: dict) -> Section:
@@ -409,6 +421,35 @@ def _warnings_section(base: dict, now: dict, strict: bool) -> Section:
     return section
 
 
+def _workloads_section(base: dict, now: dict, machine_note: str) -> Section:
+    section = Section(f"Your workloads: {workload_checks.STEPS} steps per strategy against the "
+                      f"stored checksum and live against its reference, ZeRO-2 on "
+                      f"{workload_checks.ZERO2_RANKS} gloo ranks, fake-backend peak memory",
+                      ("workload/check", "verdict"))
+    for key, value in now.items():
+        if section.add_stopped(value, key):
+            continue
+        rec = base.get(key)
+        if "refused" in value:
+            ok = rec is not None and rec.get("refused") == value["refused"]
+            section.add(ok, key, f"refuses, as designed: {value['refused']}" if ok else
+                        f"CHANGED: now refuses ({value['refused']}); recorded "
+                        f"{'nothing' if rec is None else rec.get('refused', 'a run')}")
+        elif value.get("problems"):
+            section.add(False, key, "; ".join(value["problems"]))
+        elif "peak" in value:
+            ok, verdict = _memory_verdict(rec, value, "fake")
+            section.add(ok, key, f"peak {_amount(value['peak'])}: {verdict}")
+        else:  # another CPU may change the bits: then the row's own tolerance
+            ok, verdict = _trajectory_verdict(rec, value, Tolerance(**value["tolerance"]),
+                                              machine_note)
+            section.add(ok, key, "; ".join(filter(None, (verdict, value.get("parity")))))
+    names = {key.split("/")[0] for key in now}
+    for key in sorted(k for k in set(base) - set(now) if k.split("/")[0] in names):
+        section.add(False, key, "recorded, but not measured now (re-record on purpose)")
+    return section
+
+
 def _time_section(base: dict, now: dict, slack: float) -> Section:
     section = Section(f"Step-time ratios against the baseline; fails {slack:.0%} above it",
                       ("ratio", "recorded", "now", "verdict"))
@@ -437,7 +478,7 @@ def check(base: dict[str, Any], now: dict[str, Any], parity: bool = True,
         "hooks": _hooks,
         "numerics": lambda b, n: _numerics_section(
             "Training trajectories against their stored checksums", b, n,
-            tolerance("foreach", report.REPORT_SPEC.dtype), note),
+            tolerance("foreach", REPORT_SPEC.dtype), note),
         "zero2": lambda b, n: _numerics_section(
             "ZeRO-2 on 2 gloo ranks against single-process training and the stored checksum",
             b, n, zero2_runs.TOLERANCE, note),
@@ -446,12 +487,13 @@ def check(base: dict[str, Any], now: dict[str, Any], parity: bool = True,
         "compile": _compile_section,
         "warnings": lambda b, n: _warnings_section(b, n, strict_warnings),
         "memory": lambda b, n: _memory_section(b, n, now.get("device", "fake")),
+        "workloads": lambda b, n: _workloads_section(b, n, note),
         "time": lambda b, n: _time_section(b, n, time_slack),
     }
     out = {}
     for name in SECTIONS:
         if name == "parity" and parity:
-            out[name] = _crash_safe(name, report.optimizer_in_backward_section)
+            out[name] = _crash_safe(name, checks.optimizer_in_backward_section)
         elif name in now and CRASHED in now[name]:
             out[name] = _stopped(name, now[name][CRASHED])
         elif name in now:
@@ -475,10 +517,10 @@ def _crash_safe(name: str, build: Callable[[], Section]) -> Section:
 def gate(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
          models: tuple[str, ...] = MODELS, fault: str | None = None, device: str = "fake",
          zero2_ranks: list | None = None, time_slack: float = TIME_SLACK,
-         checkpoint_dir: str | Path | None = None, strict_warnings: bool = False
-         ) -> dict[str, Section]:
+         checkpoint_dir: str | Path | None = None, strict_warnings: bool = False,
+         workloads: list[Workload] = ()) -> dict[str, Section]:
     """Measure on the installed torch and judge against ``base``, by section."""
-    now = measure_all(sections, models, fault, device, zero2_ranks, checkpoint_dir)
+    now = measure_all(sections, models, fault, device, zero2_ranks, checkpoint_dir, workloads)
     now["device"] = device
     with inject(fault):
         return check(base, now, parity="parity" in sections, time_slack=time_slack,

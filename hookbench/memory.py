@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hookbench import parity
+from hookbench.workload import of, to_device
 
 __all__ = ["BACKENDS", "CATEGORIES", "MemoryResult", "StorageTracker", "measure"]
 
@@ -190,7 +191,7 @@ def measure(
     spec: Any,
     strategy: str = "foreach",
     *,
-    optimizer_class: type[torch.optim.Optimizer] = torch.optim.Adam,
+    optimizer_class: type[torch.optim.Optimizer] | None = None,
     optimizer_kwargs: dict[str, Any] | None = None,
     backend: str = "fake",
     warmup: int = 1,
@@ -199,7 +200,11 @@ def measure(
     world_size: int = 1,
     rank: int = 0,
 ) -> MemoryResult:
-    """Measure one training step of ``spec`` (a ``ZooSpec`` or ``TinySpec``) after ``warmup``.
+    """Measure one training step of ``spec`` (a ``hookbench.Workload`` or a ``TinySpec``)
+    after ``warmup``, in the workload's precision and activation checkpointing. The fake
+    backend cannot run a compiled model (measure ``workload.replace(compile=None)``) and
+    leaves fp16's GradScaler out (its unscale works in place; its inf check reads a value,
+    which fake tensors do not have).
 
     ``strategy`` is one of ``hookbench.parity.STRATEGIES`` except ``peer``. For ``zero2``
     the step runs in the current process group, or, where none is initialized, as rank 0 of
@@ -207,8 +212,13 @@ def measure(
     simulates any number of ranks (with the fake backend, any model size); ``rank`` picks which
     rank (ranks differ: each owns other parameters, whose gradients arrive at other times).
     """
+    spec = of(spec)
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose from {BACKENDS}")
+    if spec.compile is not None and backend == "fake":
+        raise ValueError(f"workload {spec.name!r}: the fake backend cannot run a compiled "
+                         f"model; measure workload.replace(compile=None), or use the cuda "
+                         f"backend")
     if strategy not in parity.STRATEGIES or strategy == "peer":
         raise ValueError(f"unknown strategy {strategy!r}; choose from "
                          f"{[s for s in parity.STRATEGIES if s != 'peer']}")
@@ -236,7 +246,9 @@ def measure(
         else:
             device = torch.device("cuda" if backend == "cuda" else "cpu")
             model = spec.build().to(device)
-        return _measure(model, spec, strategy, optimizer_class, optimizer_kwargs or {"lr": 1e-3},
+        cls, kwargs = spec.optimizer  # the workload's own, unless the caller names another
+        return _measure(model, spec, strategy, optimizer_class or cls,
+                        kwargs if optimizer_kwargs is None else optimizer_kwargs,
                         backend, device, warmup, snapshot_path, round_to, stack)
 
 
@@ -276,9 +288,10 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
 
     def one_step(index: int) -> None:
         tracker.phase = "data"
-        x, y = (t.to(device) for t in spec.batch(index))
+        x, y = spec.data(index)
+        x, y = to_device(x, device), y.to(device)
         tracker.phase = "forward"
-        loss = spec.loss(model(x), y)
+        loss = spec.compute_loss(model, x, y)
         classify()
         tracker.phase = "backward"
         loss.backward()
@@ -317,7 +330,7 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
     }
     peak = device_info["max_memory_allocated"] if cuda else tracker.peak
     return MemoryResult(
-        model=getattr(spec, "name", type(spec).__name__),
+        model=spec.name,
         strategy=strategy,
         backend=backend,
         batch_size=spec.batch_size,

@@ -1,10 +1,10 @@
 """Numerical parity: does a training strategy follow the standard ``optimizer.step()``?
 
-``trajectory`` trains a ``TinySpec`` model for a few steps with one strategy and snapshots the
-parameters and optimizer state after every step; ``compare`` says whether two trajectories are
-bit-exact or how far apart they are against a stated tolerance. The property tests, the report
-and the fault-injection tests all use these two functions, so a check that passes in one place
-passes for the same reason in the others.
+``trajectory`` trains a workload (``hookbench.Workload``, or a ``TinySpec``) for a few steps
+with one strategy and snapshots the parameters and optimizer state after every step;
+``compare`` says whether two trajectories are bit-exact or how far apart they are against a
+stated tolerance. The property tests, the report and the fault-injection tests all use these
+two functions, so a check that passes in one place passes for the same reason in the others.
 
 Strategies:
     forloop, foreach, fused      a standard optimizer with that implementation
@@ -27,6 +27,7 @@ import torch
 
 from hookbench.optimizer_in_backward import OptimizerInBackward
 from hookbench.zero2 import Zero2
+from hookbench.workload import Workload, of, to_device
 from hookbench.zoo import TinySpec
 
 __all__ = [
@@ -99,7 +100,7 @@ Snapshot = dict[str, torch.Tensor]  # "name" and "name/state_key" -> value after
 
 @contextlib.contextmanager
 def training(
-    spec: TinySpec,
+    spec: Workload | TinySpec,
     optimizer_class: type[torch.optim.Optimizer],
     kwargs: dict[str, Any],
     strategy: str,
@@ -107,34 +108,49 @@ def training(
     accumulation: int = 1,
     device: str | torch.device = "cpu",
 ) -> Iterator[Training]:
-    """A model of ``spec`` on ``device`` set up to train with ``strategy``; hooks are removed
-    on exit."""
+    """A model of ``spec`` (a Workload or a TinySpec) on ``device`` set up to train with
+    ``strategy``, in the workload's precision (fp16: with a GradScaler); hooks are removed on
+    exit."""
+    workload = of(spec)
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
+    if strategy == "peer" and workload.precision == "fp16":
+        raise ValueError("the peer _apply_optimizer_in_backward has no loss scaling: it would "
+                         "step on fp16 gradients still scaled by the GradScaler")
     if strategy == "peer" and accumulation != 1:
         raise ValueError("the peer _apply_optimizer_in_backward has no gradient accumulation")
-    model = spec.build().to(device)
-    started = start(strategy, model, optimizer_class, kwargs, accumulation)
+    model = workload.build().to(device)
+    scaler = workload.grad_scaler(device)
+    started = start(strategy, model, optimizer_class, kwargs, accumulation, scaler)
     try:
-        yield Training(spec, model, accumulation, started.step, started.state_of, device)
+        yield Training(workload, model, accumulation, started.step, started.state_of, device,
+                       scaler)
     finally:
         started.close()
 
 
 @dataclass
 class Training:
-    spec: TinySpec
+    workload: Workload
     model: torch.nn.Module
     accumulation: int
     _step: Callable[[], None]
     state_of: Callable[[torch.Tensor], dict]
     device: str | torch.device = "cpu"
+    scaler: torch.amp.GradScaler | None = None
 
     def step(self, index: int) -> None:
         """One optimizer step: ``accumulation`` forward/backward passes on batches of ``index``."""
-        for micro in range(self.accumulation):
-            x, y = (t.to(self.device) for t in self.spec.batch(index * self.accumulation + micro))
-            (self.spec.loss(self.model(x), y) / self.accumulation).backward()
+        k = self.accumulation
+        self.step_on([self.workload.data(index * k + micro) for micro in range(k)])
+
+    def step_on(self, batches: list[tuple[Any, torch.Tensor]]) -> None:
+        """One optimizer step on these micro-batches, each loss divided by their number (what
+        data-parallel ranks compute together when each holds one of them)."""
+        for x, y in batches:
+            loss = self.workload.compute_loss(self.model, to_device(x, self.device),
+                                              y.to(self.device)) / len(batches)
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
         self._step()
 
     def snapshot(self) -> Snapshot:
@@ -154,7 +170,7 @@ def parameters_only(snapshots: list[Snapshot]) -> list[Snapshot]:
 
 
 def trajectory(
-    spec: TinySpec,
+    spec: Workload | TinySpec,
     optimizer_class: type[torch.optim.Optimizer],
     kwargs: dict[str, Any],
     strategy: str,
@@ -180,20 +196,25 @@ class Started(NamedTuple):
 
 
 def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
-          accumulation: int) -> Started:
-    """Set ``model`` up to train with ``strategy``."""
+          accumulation: int, scaler: torch.amp.GradScaler | None = None) -> Started:
+    """Set ``model`` up to train with ``strategy``; with ``scaler`` (fp16) the step goes
+    through ``scaler.step`` and ``scaler.update``, as in torch's AMP recipe."""
     nothing = lambda: None  # noqa: E731
+
+    def stepped(opt: Any) -> None:
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+        opt.zero_grad()  # set_to_none, torch's default and Zero2's only behaviour
+
     params = [p for p in model.parameters()]
     if strategy in ("forloop", "foreach", "fused"):
         impl = {"forloop": {"foreach": False}, "foreach": {"foreach": True},
                 "fused": {"fused": True}}[strategy]
         opt = cls(model.parameters(), **{**kwargs, **impl})
-
-        def step() -> None:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return Started(step, lambda p: opt.state.get(p, {}), nothing, params)
+        return Started(lambda: stepped(opt), lambda p: opt.state.get(p, {}), nothing, params)
     if strategy.startswith("in_backward"):
         opt = OptimizerInBackward(
             model, cls, accumulation_steps=accumulation,
@@ -203,12 +224,8 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
         return Started(nothing, lambda p: opt.state.get(p, {}), opt.remove, params)
     if strategy == "zero2":  # kwargs may carry bucket_numel
         zero = Zero2(model, cls, **{"foreach": False, **kwargs})
-
-        def zero_step() -> None:
-            zero.step()
-            zero.zero_grad()
-
-        return Started(zero_step, lambda p: zero.optimizer.state.get(p, {}), zero.remove,
+        return Started(lambda: stepped(zero), lambda p: zero.optimizer.state.get(p, {}),
+                       zero.remove,
                        [piece for f in zero.flats for _, piece, _, _ in f.owned])
     # The peer keeps its optimizers and hook handles in module-level maps and attributes.
     from torch.distributed.optim import apply_optimizer_in_backward as peer
@@ -286,7 +303,7 @@ def compare(
 
 
 def live_gradients(
-    spec: TinySpec,
+    spec: Workload | TinySpec,
     optimizer_class: type[torch.optim.Optimizer],
     kwargs: dict[str, Any],
     strategy: str,

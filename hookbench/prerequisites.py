@@ -9,8 +9,22 @@ on must never read as a pass.
 
 from __future__ import annotations
 
-__all__ = ["MissingPrerequisite"]
+from typing import Any, Callable
+
+__all__ = ["MissingPrerequisite", "attempt"]
 
 
 class MissingPrerequisite(Exception):
     """A declared optional prerequisite is absent; the message says which."""
+
+
+def attempt(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """A measurement, or what stopped it: ``{"skipped": reason}`` for a declared prerequisite
+    that is absent; ``{"error": "Type: message"}`` for anything else (an ImportError of a torch
+    module included)."""
+    try:
+        return fn()
+    except MissingPrerequisite as e:
+        return {"skipped": str(e)}
+    except Exception as e:  # noqa: BLE001 - a failed row that says why, e.g. a hook that
+        return {"error": f"{type(e).__name__}: {e}"}  # fired twice, refused

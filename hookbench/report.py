@@ -6,185 +6,45 @@ makes ``hookbench report`` exit non-zero, so the report doubles as a CI check.
 
 from __future__ import annotations
 
-import enum
-import inspect
 import platform
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from hookbench import hook_contract, launch, zero2_runs
+from hookbench import launch, zero2_runs
+from hookbench.checks import Section, Verdict
 from hookbench.memory import CATEGORIES, MemoryResult, measure
-from hookbench.parity import (
-    FAMILIES,
-    compare,
-    live_gradients,
-    parameters_only,
-    tolerance,
-    trajectory,
-)
-from hookbench.prerequisites import MissingPrerequisite
-from hookbench.zoo import TinySpec, ZooSpec
+from hookbench.parity import compare, parameters_only, trajectory
+from hookbench.workload import Workload
 
-__all__ = [
-    "MEMORY_STRATEGIES",
-    "Section",
-    "Verdict",
-    "attempt",
-    "contract_section",
-    "memory_section",
-    "optimizer_in_backward_section",
-    "render",
-    "zero2_section",
-]
-
-
-def attempt(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """A measurement, or what stopped it: ``{"skipped": reason}`` for a declared prerequisite
-    that is absent; ``{"error": "Type: message"}`` for anything else (an ImportError of a torch
-    module included)."""
-    try:
-        return fn()
-    except MissingPrerequisite as e:
-        return {"skipped": str(e)}
-    except Exception as e:  # noqa: BLE001 - a failed row that says why, e.g. a hook that
-        return {"error": f"{type(e).__name__}: {e}"}  # fired twice, refused
-
-
-class Verdict(enum.Enum):
-    """A row's verdict. SKIPPED only for a declared optional prerequisite that is absent
-    (``hookbench.prerequisites``); a row is falsy only when it FAILED."""
-
-    PASS = "pass"
-    FAIL = "fail"
-    SKIPPED = "skipped"
-
-    def __bool__(self) -> bool:
-        return self is not Verdict.FAIL
-
-
-@dataclass
-class Section:
-    title: str
-    columns: tuple[str, ...]
-    rows: list[tuple[tuple[str, ...], Verdict]] = field(default_factory=list)
-
-    def add(self, ok: bool, *cells: str) -> None:
-        self.rows.append((cells, Verdict.PASS if ok else Verdict.FAIL))
-
-    def skip(self, reason: str, *cells: str) -> None:
-        """A row not checked because a declared optional prerequisite is absent."""
-        self.rows.append(((*cells, f"SKIPPED: {reason}"), Verdict.SKIPPED))
-
-    def add_stopped(self, value: Any, *cells: str) -> bool:
-        """The row of a measurement that did not run (``attempt`` returned ``{"skipped": ...}``
-        or ``{"error": ...}``), blank in the columns between; False if ``value`` is a result."""
-        if not isinstance(value, dict) or not {"skipped", "error"} & set(value):
-            return False
-        cells = (*cells, *[""] * (len(self.columns) - len(cells) - 1))
-        if "skipped" in value:
-            self.skip(value["skipped"], *cells)
-        else:
-            self.add(False, *cells, f"FAILED: {value['error']}")
-        return True
-
-    def attempt(self, *cells: str, check: Callable[[], tuple[bool, str]]) -> None:
-        """A row whose verdict ``check`` computes: SKIPPED for a missing prerequisite, FAILED
-        naming the exception for anything else that stops it."""
-        value = attempt(lambda: dict(zip(("ok", "verdict"), check())))
-        if not self.add_stopped(value, *cells):
-            self.add(value["ok"], *cells, value["verdict"])
-
-    @property
-    def ok(self) -> bool:
-        return all(verdict for _, verdict in self.rows)
-
-    @property
-    def skipped(self) -> int:
-        return sum(verdict is Verdict.SKIPPED for _, verdict in self.rows)
-
-
-def contract_section() -> Section:
-    section = Section("Hook contract (PyTorch behaviours the mechanisms rely on)",
-                      ("check", "verdict"))
-    for name, error in hook_contract.run_all().items():
-        section.add(error is None, name, "holds" if error is None else f"VIOLATED: {error}")
-    return section
-
-
-# The report's model: tied hidden layers (one parameter in two modules, used twice) and a frozen
-# first layer, trained 4 steps of 2 accumulated micro-batches, so every path of the mechanism runs.
-REPORT_SPEC = TinySpec(kind="mlp", depth=4, width=8, tied=True, frozen=True)
-STEPS, ACCUMULATION = 4, 2
-
-
-def optimizer_in_backward_section(spec: TinySpec = REPORT_SPEC) -> Section:
-    section = Section(
-        f"Optimizer in backward vs optimizer.step() ({spec.kind}, depth {spec.depth}, tied and "
-        f"frozen layers, {str(spec.dtype).removeprefix('torch.')}, {STEPS} steps x "
-        f"{ACCUMULATION} micro-batches)",
-        ("family", "comparison", "verdict"),
-    )
-    for family, (cls, kw) in FAMILIES.items():
-        runs: dict[tuple[str, int], list] = {}
-
-        def run(strategy: str, k: int = ACCUMULATION) -> list:
-            if (strategy, k) not in runs:
-                runs[strategy, k] = trajectory(spec, cls, kw, strategy, steps=STEPS,
-                                               accumulation=k)
-            return runs[strategy, k]
-
-        comparisons = [
-            ("per-parameter vs for-loop step", "in_backward", "forloop", 2),
-            ("grouped vs for-loop step", "in_backward_grouped", "forloop", 2),
-            ("grouped foreach vs foreach step", "in_backward_grouped_foreach", "foreach", 2),
-            ("per-parameter vs foreach step", "in_backward", "foreach", 2),
-            ("per-parameter vs fused step", "in_backward", "fused", 2),
-            ("torch _apply_optimizer_in_backward", "peer", "in_backward", 1),
-        ]
-        for label, actual, expected, k in comparisons:
-            def check(actual=actual, expected=expected, k=k) -> tuple[bool, str]:
-                if expected == "fused" and "fused" not in inspect.signature(cls).parameters:
-                    raise MissingPrerequisite(f"{cls.__name__} has no fused kernel in torch "
-                                              f"{torch.__version__}")
-                result = compare(run(actual, k), run(expected, k),
-                                 tolerance(expected if actual == "in_backward" else actual,
-                                           spec.dtype))
-                return result.ok, result.verdict()
-
-            section.attempt(family, label, check=check)
-
-        def alive_at_once() -> tuple[bool, str]:
-            standard, _ = live_gradients(spec, cls, kw, "forloop")
-            alive, after = live_gradients(spec, cls, kw, "in_backward")
-            return (alive == 1 and after == 0,
-                    f"{alive} in backward, {after} after (standard step: {standard})")
-
-        section.attempt(family, "gradients alive at once", check=alive_at_once)
-    return section
+__all__ = ["MEMORY_STRATEGIES", "memory_section", "render", "zero2_section"]
 
 
 MEMORY_STRATEGIES = ("foreach", "forloop", "fused", "in_backward", "in_backward_grouped_foreach")
 
 
 def memory_section(results: list[MemoryResult],
-                   stopped: dict[str, dict[str, str]] | None = None) -> Section:
+                   stopped: dict[str, dict[str, str]] | None = None,
+                   optimizer: str = "Adam") -> Section:
     """Peak and breakdown per strategy, the distance to the floor and the saving against the
-    standard foreach step. A row fails when an in-backward strategy does not beat the standard
-    step or ever holds every gradient at once; ``stopped``: what stopped a strategy's
-    measurement (``attempt``), a row SKIPPED or FAILED saying so."""
+    standard foreach step. A row fails when an in-backward strategy peaks above the standard
+    step (equal is possible: where activations peak in backward, a small model or a long
+    sequence, both steps peak there) or ever holds every gradient at once; ``stopped``: what
+    stopped a strategy's measurement (``attempt``), a row SKIPPED or FAILED saying so, or
+    ``{"refused": why}``: a strategy that refused the workload by design, a row that passes
+    saying so."""
     columns = ("strategy", "peak", "params", "grads", "opt state", "activations", "temporaries",
                "floor", "vs floor", "vs foreach", "grads alive at once")
     first = results[0] if results else None
     section = Section(
         "Peak memory of one training step" + (
-            f" ({first.model}, batch {first.batch_size}, Adam, backend {first.backend}; GB)"
+            f" ({first.model}, batch {first.batch_size}, {optimizer}, backend {first.backend}; "
+            f"GB)"
             if first else ""), columns)
     standard = next((r for r in results if r.strategy == "foreach"), None)
     for r in results:
         in_backward = r.strategy.startswith("in_backward")
-        ok = not in_backward or ((standard is None or r.peak < standard.peak)
+        ok = not in_backward or ((standard is None or r.peak <= standard.peak)
                                  and r.gradients_alive_max < r.all_gradients)
         section.add(
             ok, r.strategy, f"{r.peak / 1e9:.3f}",
@@ -194,7 +54,11 @@ def memory_section(results: list[MemoryResult],
             f"{r.gradients_alive_max / 1e9:.3f} of {r.all_gradients / 1e9:.3f}",
         )
     for strategy, value in (stopped or {}).items():
-        section.add_stopped(value, strategy)
+        if "refused" in value:
+            section.add(True, strategy, *[""] * (len(columns) - 2),
+                        f"refuses, as designed: {value['refused']}")
+        else:
+            section.add_stopped(value, strategy)
     return section
 
 
@@ -216,7 +80,7 @@ def zero2_bound(r: MemoryResult, world: int, bucket_numel: int = ZERO2_BUCKET) -
             + 4 * min(bucket_numel, r.parameters // 4))
 
 
-def zero2_section(spec: ZooSpec, backend: str, standard: MemoryResult | None,
+def zero2_section(spec: Workload, backend: str, standard: MemoryResult | None,
                   fused: MemoryResult | None,
                   progress: Callable[[str], None] = lambda message: None) -> Section:
     """Parity of ZeRO-2 on 2 spawned gloo ranks against single-process training, and rank 0's

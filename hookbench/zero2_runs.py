@@ -18,13 +18,14 @@ import torch.distributed as dist
 
 from hookbench.faults import inject
 from hookbench.memory import measure
-from hookbench.parity import Tolerance
+from hookbench.parity import Tolerance, compare
+from hookbench.workload import of, to_device
 from hookbench.zero2 import Zero2
 from hookbench.zoo import TinySpec
 
 __all__ = ["PARITY_OPTIMIZERS", "PARITY_SPEC", "TOLERANCE", "Lockstep", "follow",
-           "fsdp2_trajectory", "local_batch", "parity_cases", "rank_memory", "trajectories",
-           "trajectory"]
+           "fsdp2_trajectory", "local_batch", "parity_cases", "rank_memory", "rank_problems",
+           "trajectories", "trajectory"]
 
 # Against single-process training on the global batch: the reduction sums the ranks' mean
 # gradients and divides by N, where the reference takes one mean over the global batch, a
@@ -52,12 +53,15 @@ def trajectories(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dic
 
 
 def local_batch(spec: Any, index: int, rank: int, world: int, device: str):
-    """This rank's share of global batch ``index``."""
-    x, y = spec.batch(index)
-    if len(x) % world:
-        raise ValueError(f"batch of {len(x)} does not split over {world} ranks")
-    b = len(x) // world
-    return x[rank * b:(rank + 1) * b].to(device), y[rank * b:(rank + 1) * b].to(device)
+    """This rank's share of global batch ``index`` of ``spec`` (a Workload or a TinySpec):
+    every input tensor and the target cut along their first dimension."""
+    x, y = of(spec).data(index)
+    if len(y) % world:
+        raise ValueError(f"batch of {len(y)} does not split over {world} ranks")
+    b = len(y) // world
+    share = slice(rank * b, (rank + 1) * b)
+    x = tuple(t[share] for t in x) if isinstance(x, tuple) else x[share]
+    return to_device(x, device), y[share].to(device)
 
 
 def _device(rank: int) -> str:
@@ -78,7 +82,9 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     names, options). ``fault`` names a ``hookbench.faults`` fault to inject; an error it
     causes is returned, not raised, so every rank finishes."""
     device = _device(rank)
+    spec = of(spec)
     model = spec.build().to(device)
+    scaler = spec.grad_scaler(device)
     snapshots: list[dict[str, torch.Tensor]] = []
     after_backward: list[dict[str, Any]] = []
     result = {"snapshots": snapshots, "after_backward": after_backward, "error": None}
@@ -93,7 +99,8 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                 for micro in range(accumulation):
                     x, y = local_batch(spec, i * accumulation + micro, rank, world, device)
                     zero.hook_calls.clear()  # so that a backward whose hooks never fire shows
-                    (spec.loss(model(x), y) / accumulation).backward()
+                    loss = spec.compute_loss(model, x, y) / accumulation
+                    (loss if scaler is None else scaler.scale(loss)).backward()
                     after_backward.append({
                         "param_grads": [n for n, p in model.named_parameters()
                                         if p.grad is not None],
@@ -101,7 +108,11 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                                                 if f.grad is not None),
                         "hook_calls": dict(zero.hook_calls),
                     })
-                zero.step()
+                if scaler is None:
+                    zero.step()
+                else:  # every rank skips, or takes, the step alike (hookbench.zero2)
+                    scaler.step(zero)
+                    scaler.update()
                 zero.zero_grad()
                 snapshots.append({n: p.detach().cpu().clone()
                                   for n, p in model.named_parameters()})
@@ -113,16 +124,35 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     return result
 
 
+def rank_problems(ranks: list[dict[str, Any]]) -> list[str]:
+    """What every rank's result of one ``trajectory`` shows wrong: an error it returned, a
+    backward that left a gradient on a parameter or did not run every hook exactly once, a
+    rank whose parameters are not rank 0's."""
+    problems = [f"rank {r}: {got['error']}" for r, got in enumerate(ranks) if got["error"]]
+    if problems:
+        return problems
+    for r, got in enumerate(ranks):
+        for i, after in enumerate(got["after_backward"]):
+            if after["param_grads"] or set(after["hook_calls"].values()) != {1}:
+                problems.append(f"rank {r}, backward {i}: gradients left on "
+                                f"{after['param_grads']}, hook calls {after['hook_calls']}")
+                break
+        if not compare(got["snapshots"], ranks[0]["snapshots"]).bit_exact:
+            problems.append(f"rank {r} holds other parameters than rank 0")
+    return problems
+
+
 class Lockstep:
     """ZeRO-2 training led by rank 0, to time a step from one process: before each step rank
     0 broadcasts whether there is one, and the other ranks (``follow``) take as many as it
-    asks for. Every step trains on the same global batch ``spec.batch(0)``. On nccl each rank
+    asks for. Every step trains on the same global batch 0 of ``spec``. On nccl each rank
     uses its own GPU, and a step returns when the GPU has finished it."""
 
     def __init__(self, spec: Any, optimizer_class: type, kwargs: dict, bucket_numel: int):
         rank, world = dist.get_rank(), dist.get_world_size()
         self.device = _device(rank)
-        self.spec, self.model = spec, spec.build().to(self.device)
+        self.spec = of(spec)
+        self.model = self.spec.build().to(self.device)
         self.batch = local_batch(spec, 0, rank, world, self.device)
         self.zero = Zero2(self.model, optimizer_class, bucket_numel=bucket_numel, **kwargs)
 
@@ -132,7 +162,7 @@ class Lockstep:
         if not flag.item():  # on a GPU this waits for the broadcast, and so for the last step
             return False
         x, y = self.batch
-        self.spec.loss(self.model(x), y).backward()
+        self.spec.compute_loss(self.model, x, y).backward()
         self.zero.step()
         self.zero.zero_grad()
         if self.device != "cpu":
@@ -168,6 +198,7 @@ def fsdp2_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kw
 
     device = _device(rank)
     mesh = init_device_mesh(torch.device(device).type, (world,))
+    spec = of(spec)
     model = spec.build().to(device)
     for layer in model.children():
         if any(p.requires_grad for p in layer.parameters()):
@@ -176,7 +207,7 @@ def fsdp2_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kw
     opt = optimizer_class(model.parameters(), **kwargs)
     for i in range(steps):
         x, y = local_batch(spec, i, rank, world, device)
-        spec.loss(model(x), y).backward()
+        spec.compute_loss(model, x, y).backward()
         opt.step()
         opt.zero_grad()
     return {n: p.full_tensor().detach().cpu().clone() for n, p in model.named_parameters()}

@@ -2,15 +2,17 @@
 
 ``TinySpec`` describes a random small MLP or convnet (depth, width, activation, tied and frozen
 layers, dtype); hypothesis draws them in the property tests and ``hookbench report`` uses fixed
-ones. ``ZooSpec`` names a real model (torchvision's resnet18, vit_b_16 and vit_l_16, rebuilt
+ones. ``workload(name)`` builds a real model (torchvision's resnet18, vit_b_16 and vit_l_16, rebuilt
 from torch.nn by ``hookbench.vision`` so that they need no torchvision, and a small GPT-style
-transformer) for memory measurement and benchmarks. Both have ``build()``, ``batch(index)`` and
-``loss(output, target)``, so two strategies trained on the same spec see the same batches and
-differ only in how the optimizer is stepped.
+transformer) for memory measurement and benchmarks. Both are ``hookbench.Workload``s
+(``TinySpec.workload()``, ``workload(name, batch_size)``), the same description a user's own
+model gets, so two strategies trained on the same one see the same batches and differ only in
+how the optimizer is stepped.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookbench import vision
+from hookbench.workload import Workload
 
-__all__ = ["ACTIVATIONS", "BENCHMARK_MLP", "ZOO", "TinySpec", "TinyTransformer", "ZooSpec"]
+__all__ = ["ACTIVATIONS", "BENCHMARK_MLP", "ZOO", "TinySpec", "TinyTransformer", "workload"]
 
 ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
 
@@ -53,32 +56,40 @@ class TinySpec:
         if self.depth < 1 or (self.tied and self.depth < 3):
             raise ValueError("depth must be >= 1, and >= 3 for tied hidden layers")
 
+    def workload(self) -> Workload:
+        """This spec as a Workload (fp32, eager; the optimizer is chosen per test)."""
+        return Workload(name=f"tiny-{self.kind}", model=functools.partial(_tiny_model, self),
+                        batch=functools.partial(_tiny_batch, self), loss=self.loss,
+                        seed=self.seed)
+
     def build(self) -> nn.Module:
-        gen_state = torch.random.get_rng_state()
-        torch.manual_seed(self.seed)
-        try:
-            model = _mlp(self) if self.kind == "mlp" else _convnet(self)
-        finally:
-            torch.random.set_rng_state(gen_state)
-        if self.frozen:
-            model[0].requires_grad_(False)
-        return model.to(self.dtype)
+        return self.workload().build()
 
     def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The index-th (input, target) batch, the same on every call."""
-        g = torch.Generator().manual_seed(self.seed * 100_003 + index)
-        if self.kind == "mlp":
-            x = torch.randn(self.batch_size, self.in_features, generator=g, dtype=self.dtype)
-            y = torch.randn(self.batch_size, 3, generator=g, dtype=self.dtype)
-        else:
-            x = torch.randn(self.batch_size, 3, 8, 8, generator=g, dtype=self.dtype)
-            y = torch.randint(0, 5, (self.batch_size,), generator=g)
-        return x, y
+        return self.workload().data(index)
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.kind == "mlp":
             return F.mse_loss(output, target)
         return F.cross_entropy(output, target)
+
+
+def _tiny_model(spec: TinySpec) -> nn.Module:
+    model = _mlp(spec) if spec.kind == "mlp" else _convnet(spec)
+    if spec.frozen:
+        model[0].requires_grad_(False)
+    return model.to(spec.dtype)
+
+
+def _tiny_batch(spec: TinySpec, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    if spec.kind == "mlp":
+        x = torch.randn(spec.batch_size, spec.in_features, generator=g, dtype=spec.dtype)
+        y = torch.randn(spec.batch_size, 3, generator=g, dtype=spec.dtype)
+    else:
+        x = torch.randn(spec.batch_size, 3, 8, 8, generator=g, dtype=spec.dtype)
+        y = torch.randint(0, 5, (spec.batch_size,), generator=g)
+    return x, y
 
 
 # The step benchmarks' workload, also timed by the upgrade gate: a 12-layer MLP of width 256
@@ -154,35 +165,24 @@ ZOO = {
 }
 
 
-@dataclass(frozen=True)
-class ZooSpec:
-    """A model of the zoo at a batch size, with deterministic data and its loss."""
+def workload(name: str, batch_size: int = 1, seed: int = 0) -> Workload:
+    """The zoo's model ``name`` at ``batch_size`` as a Workload: Adam, fp32, eager."""
+    if name not in ZOO:
+        raise ValueError(f"unknown model {name!r}; the zoo has {sorted(ZOO)}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return Workload(name=name, model=ZOO[name][0],
+                    batch=functools.partial(_zoo_batch, ZOO[name][1], batch_size),
+                    loss=_cross_entropy, seed=seed)
 
-    name: str
-    batch_size: int = 1
-    seed: int = 0
 
-    def __post_init__(self) -> None:
-        if self.name not in ZOO:
-            raise ValueError(f"unknown model {self.name!r}; the zoo has {sorted(ZOO)}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+def _zoo_batch(kind: str, batch_size: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "image":
+        x = torch.randn(batch_size, 3, 224, 224, generator=g)
+        return x, torch.randint(0, 1000, (batch_size,), generator=g)
+    tokens = torch.randint(0, 1000, (batch_size, 129), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
 
-    def build(self) -> nn.Module:
-        gen_state = torch.random.get_rng_state()
-        torch.manual_seed(self.seed)
-        try:
-            return ZOO[self.name][0]()
-        finally:
-            torch.random.set_rng_state(gen_state)
 
-    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 100_003 + index)
-        if ZOO[self.name][1] == "image":
-            x = torch.randn(self.batch_size, 3, 224, 224, generator=g)
-            return x, torch.randint(0, 1000, (self.batch_size,), generator=g)
-        tokens = torch.randint(0, 1000, (self.batch_size, 129), generator=g)
-        return tokens[:, :-1], tokens[:, 1:]
-
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(output.flatten(0, -2), target.flatten())
+def _cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.flatten(0, -2), target.flatten())

@@ -131,9 +131,9 @@ def test_zero2_demo_prints_per_rank_memory_and_parity(capsys):
 @pytest.mark.distributed
 def test_report_zero2_rows_are_judged_against_their_bound(monkeypatch):
     from hookbench import report
-    from hookbench.zoo import ZooSpec
+    from hookbench.zoo import workload as zoo_workload
 
-    spec = ZooSpec("transformer")
+    spec = zoo_workload("transformer")
     section = report.zero2_section(spec, "fake", None, None)
     rows = {cells[0]: (ok, cells[-1]) for cells, ok in section.rows}
     for n in report.ZERO2_RANKS:  # seen: 1.11x, 0.90x, 0.84x the bound
@@ -164,7 +164,8 @@ def test_capture_of_modules_that_never_run_is_one_line_and_exit_2(capsys):
 
 def test_report_memory_rows_that_could_not_run_fail_or_skip_naming_why():
     from hookbench import report
-    from hookbench.prerequisites import MissingPrerequisite
+    from hookbench.checks import Verdict
+    from hookbench.prerequisites import MissingPrerequisite, attempt
 
     def needs():
         raise MissingPrerequisite("fused CPU Adam needs torch >= 2.4; this is 2.3.1")
@@ -172,10 +173,10 @@ def test_report_memory_rows_that_could_not_run_fail_or_skip_naming_why():
     def gone():
         raise ModuleNotFoundError("No module named 'torch.testing._internal.distributed'")
 
-    section = report.memory_section([], {"fused": report.attempt(needs),
-                                         "zero2": report.attempt(gone)})
+    section = report.memory_section([], {"fused": attempt(needs),
+                                         "zero2": attempt(gone)})
     (fused, skipped), (zero2, failed) = section.rows
-    assert skipped is report.Verdict.SKIPPED and fused[-1].startswith("SKIPPED: fused CPU Adam")
+    assert skipped is Verdict.SKIPPED and fused[-1].startswith("SKIPPED: fused CPU Adam")
     assert not failed and zero2[-1] == ("FAILED: ModuleNotFoundError: No module named "
                                         "'torch.testing._internal.distributed'")
     assert not section.ok and section.skipped == 1

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hookbench import baselines, gate, report
+from hookbench import baselines, gate
+from hookbench.prerequisites import attempt
 from hookbench.cli import main
 from hookbench.faults import FAULTS, inject
 from hookbench.report import render
@@ -155,8 +156,8 @@ def test_a_missing_prerequisite_skips_and_says_which(base):
     def broken() -> dict:
         raise ImportError("cannot import name 'FakeStore'")
 
-    now = {"transformer/foreach": report.attempt(needs),
-           "transformer/forloop": report.attempt(broken)}
+    now = {"transformer/foreach": attempt(needs),
+           "transformer/forloop": attempt(broken)}
     section = _judge(base, {"memory": now})["memory"]
     (skip_cells, skipped), (fail_cells, failed) = section.rows
     assert skipped and skipped.name == "SKIPPED" and section.skipped == 1
@@ -224,7 +225,7 @@ def test_a_corrupt_baseline_is_one_line_naming_the_file_and_exit_2(tmp_path, cap
 def test_record_refuses_a_baseline_with_failed_measurements(tmp_path, capsys, monkeypatch):
     target = tmp_path / "gate.json"
 
-    def record(models, sections, checkpoint_dir):
+    def record(models, sections, checkpoint_dir, workloads):
         with inject("private_module_missing"):
             return gate.measure_all(("memory",), ("transformer",))
 

@@ -1,5 +1,6 @@
-"""The package's shape: the mechanisms stand alone (each one file a user can copy) and no module
-imports, at load time or inside a function, anything that imports it back."""
+"""The package's shape: the mechanisms stand alone (each one file a user can copy), imports
+point one way only, from the command line down to the mechanisms, and no module imports, at
+load time or inside a function, anything that imports it back."""
 
 from __future__ import annotations
 
@@ -12,6 +13,19 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hookbench"
 MECHANISMS = ("optimizer_in_backward", "activation_capture", "zero2")
+# The layers, lowest first: a module may import its own layer and those below, never above.
+LAYERS = {
+    "mechanisms": MECHANISMS,
+    "foundations": ("prerequisites", "launch", "leak_guard", "vision", "mup", "workload"),
+    "models": ("zoo",),
+    "measurement": ("parity", "memory", "hook_contract", "coord_check", "faults", "zero2_runs",
+                    "plot", "peers", "peers.microsoft_mup"),
+    "gate": ("checks", "baselines", "checkpoints", "collectives", "compiled_hooks",
+             "emitted_warnings", "workload_checks", "gate"),
+    "interface": ("report", "cli", "__main__", "pytest_plugin", ""),
+}
+LAYER = {f"hookbench.{m}".rstrip("."): i for i, (_, modules) in enumerate(LAYERS.items())
+         for m in modules}
 
 
 def _module(path: Path) -> str:
@@ -80,6 +94,25 @@ def test_the_package_has_no_import_cycle():
     graph = _graph()
     assert {"hookbench.gate", "hookbench.zero2_runs", "hookbench.peers.microsoft_mup"} <= set(graph)
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def _upward(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} ({list(LAYERS)[LAYER[a]]}) imports {b} ({list(LAYERS)[LAYER[b]]})"
+                  for a, imported in graph.items() for b in imported if LAYER[b] > LAYER[a])
+
+
+def test_every_module_has_a_layer_and_imports_point_down():
+    graph = _graph()
+    assert sorted(set(graph) - set(LAYER)) == []  # a new module is placed on purpose
+    assert sorted(set(LAYER) - set(graph)) == []
+    assert _upward(graph) == []
+
+
+def test_the_layer_check_finds_an_upward_import():
+    # What issue 14 found: the gate taking the report's constants from the command line layer.
+    graph = _graph()
+    graph["hookbench.gate"] = graph["hookbench.gate"] | {"hookbench.report"}
+    assert _upward(graph) == ["hookbench.gate (gate) imports hookbench.report (interface)"]
 
 
 def test_the_cycle_finder_finds_a_cycle():

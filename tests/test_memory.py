@@ -14,10 +14,10 @@ import torch
 
 from hookbench.faults import inject
 from hookbench.memory import measure
-from hookbench.zoo import ZooSpec
+from hookbench.zoo import workload as zoo_workload
 
 GB = 1e9
-VIT_L = ZooSpec("vit_l_16", batch_size=1)
+VIT_L = zoo_workload("vit_l_16", batch_size=1)
 STRATEGIES = ("foreach", "forloop", "fused", "in_backward", "in_backward_grouped_foreach")
 
 
@@ -107,7 +107,7 @@ def test_optimizer_in_backward_is_about_4_gb(vit_l, strategy):
 
 
 def test_measurement_is_deterministic_and_rejects_bad_input():
-    spec = ZooSpec("transformer")
+    spec = zoo_workload("transformer")
     a, b = measure(spec, "foreach"), measure(spec, "foreach")
     assert a.peak == b.peak and a.timeline == b.timeline
     with pytest.raises(ValueError, match="unknown backend 'gpu'"):
@@ -119,7 +119,7 @@ def test_measurement_is_deterministic_and_rejects_bad_input():
     with pytest.raises(ValueError, match=r"rank must be in \[0, world_size=2\), got 2"):
         measure(spec, "zero2", world_size=2, rank=2)
     with pytest.raises(ValueError, match="unknown model 'vgg'"):
-        ZooSpec("vgg")
+        zoo_workload("vgg")
 
 
 # -- the floor is a lower bound --------------------------------------------------------------------
@@ -142,7 +142,7 @@ def below_floor(result) -> str | None:
 @pytest.mark.parametrize("strategy, options", FLOOR_CASES)
 def test_every_measured_step_sits_at_or_above_its_floor(name, strategy, options):
     kw = {"lr": 1e-3, "bucket_numel": 2**16} if strategy == "zero2" else None
-    r = measure(ZooSpec(name), strategy, optimizer_kwargs=kw, **options)
+    r = measure(zoo_workload(name), strategy, optimizer_kwargs=kw, **options)
     assert below_floor(r) is None
     # ... and it is a floor, not a formality: the strategy's own gradients count in it.
     assert r.floor_breakdown["gradients_needed"] > 0
@@ -153,7 +153,7 @@ def test_a_floor_that_a_step_can_beat_is_caught():
     # needs them), and a rank's measured peak sat 11.8% below it (transformer, rank 0 of 8).
     from dataclasses import replace
 
-    r = measure(ZooSpec("transformer"), "zero2", world_size=8,
+    r = measure(zoo_workload("transformer"), "zero2", world_size=8,
                 optimizer_kwargs={"lr": 1e-3, "bucket_numel": 2**16})
     all_gradients = r.parameters + r.optimizer_state + max(r.activations_peak, r.all_gradients)
     assert below_floor(replace(r, floor=all_gradients)) is not None
@@ -166,8 +166,8 @@ def test_a_floor_that_a_step_can_beat_is_caught():
 @pytest.mark.parametrize("name", ["resnet18", "transformer"])
 @pytest.mark.parametrize("strategy", ["foreach", "in_backward"])
 def test_fake_and_real_tensors_give_the_same_bytes(name, strategy):
-    fake = measure(ZooSpec(name), strategy, backend="fake")
-    real = measure(ZooSpec(name), strategy, backend="eager")
+    fake = measure(zoo_workload(name), strategy, backend="fake")
+    real = measure(zoo_workload(name), strategy, backend="eager")
     assert fake.peak == real.peak
     assert fake.peak_breakdown == real.peak_breakdown
     assert fake.timeline == real.timeline
@@ -181,7 +181,7 @@ def test_agrees_with_torch_memtracker():
 
     from hookbench.memory import _materialize
 
-    spec = ZooSpec("vit_b_16")
+    spec = zoo_workload("vit_b_16")
     with torch.device("meta"):
         model = spec.build()
     with FakeTensorMode():
@@ -189,7 +189,7 @@ def test_agrees_with_torch_memtracker():
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
 
         def step(i):
-            x, y = spec.batch(i)
+            x, y = spec.data(i)
             spec.loss(model(x), y).backward()
             opt.step()
             opt.zero_grad()
@@ -210,7 +210,7 @@ def test_cuda_backend_refuses_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA is available; the gpu tier measures instead")
     with pytest.raises(RuntimeError, match="torch.cuda.is_available\\(\\) is False"):
-        measure(ZooSpec("transformer"), backend="cuda")
+        measure(zoo_workload("transformer"), backend="cuda")
 
 
 # -- an injected memory regression is caught ----------------------------------------------------

@@ -16,11 +16,12 @@ Times on 2 CPU cores: 70-90 s with -m "not slow"; the ViT-L tests (marked slow) 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import subprocess
 import sys
 import types
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -29,7 +30,8 @@ from torch import nn
 from hookbench import vision
 from hookbench.gate import MEMORY_STRATEGIES, ZERO2_BUCKET, ZERO2_WORLD
 from hookbench.memory import measure
-from hookbench.zoo import ZooSpec
+from hookbench.workload import Workload
+from hookbench.zoo import workload as zoo_workload
 
 MODELS = ("resnet18", "vit_b_16", "vit_l_16")
 PARAMETER_COUNTS = {"resnet18": 11_689_512, "vit_b_16": 86_567_656, "vit_l_16": 304_326_632}
@@ -115,7 +117,7 @@ def step_differences(ours: nn.Module, theirs: nn.Module, spec, backward: bool = 
     modes: where the outputs, buffers (batch-norm statistics) or gradients are not bit for bit
     equal. Without ``backward``, the forward runs under no_grad (in eval mode, the fast path
     of nn.MultiheadAttention). The models must hold equal parameters and buffers beforehand."""
-    x, y = spec.batch(0)
+    x, y = spec.data(0)
     out = {}
     for key, model in (("ours", ours), ("theirs", theirs)):
         model.zero_grad(set_to_none=True)
@@ -166,21 +168,13 @@ def pair():
     return get
 
 
-@dataclass(frozen=True)
-class TorchvisionSpec(ZooSpec):
-    """A ZooSpec whose build() is torchvision's model (the zoo before hookbench.vision), with
-    ZooSpec's seeding; batches and loss are ZooSpec's."""
-
-    def build(self) -> nn.Module:
-        gen_state = torch.random.get_rng_state()
-        torch.manual_seed(self.seed)
-        try:
-            return torchvision_model(self.name)
-        finally:
-            torch.random.set_rng_state(gen_state)
+def TorchvisionSpec(name: str):  # noqa: N802 - reads like the zoo_workload it stands beside
+    """The zoo's workload ``name`` built by torchvision (the zoo before hookbench.vision), with
+    the same seeding, batches and loss."""
+    return zoo_workload(name).replace(model=functools.partial(torchvision_model, name))
 
 
-def gate_measure(spec: ZooSpec, strategy: str):
+def gate_measure(spec, strategy: str):
     """One fake-backend measurement, called as the upgrade gate's memory section calls it."""
     return measure(spec, strategy, backend="fake", world_size=ZERO2_WORLD,
                    optimizer_kwargs={"lr": 1e-3, "bucket_numel": ZERO2_BUCKET}
@@ -211,7 +205,7 @@ def test_layout_is_torchvisions(name):
 def test_same_initial_values_from_the_same_seed(name):
     """Built in torchvision's order with its initialisations, so the zoo's seeded models start
     where they started before hookbench.vision (for vit_l_16 the code path is vit_b_16's)."""
-    ours, theirs = (ZooSpec(name).build(), TorchvisionSpec(name).build())
+    ours, theirs = (zoo_workload(name).build(), TorchvisionSpec(name).build())
     a, b = ours.state_dict(), theirs.state_dict()
     assert list(a) == list(b)
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
@@ -222,7 +216,7 @@ def test_same_initial_values_from_the_same_seed(name):
 def test_same_module_calls(name, pair):
     """Module hooks see the same calls in the same order (ResNet's one ReLU per block twice)."""
     ours, theirs = pair(name)
-    x = ZooSpec(name).batch(0)[0]
+    x = zoo_workload(name).data(0)[0]
     calls = call_order(ours.eval(), x)
     assert calls == call_order(theirs.eval(), x)
     if name == "resnet18":
@@ -242,7 +236,7 @@ def test_forward_and_gradients_bit_identical(name, mode, pair):
     tracked = int(ours.bn1.num_batches_tracked) if name == "resnet18" else None
     ours.train(mode == "train")
     theirs.train(mode == "train")
-    spec = ZooSpec(name, batch_size=2 if name == "resnet18" else 1)
+    spec = zoo_workload(name, batch_size=2 if name == "resnet18" else 1)
     assert step_differences(ours, theirs, spec) == []
     if mode == "eval":
         assert step_differences(ours, theirs, spec, backward=False) == []
@@ -256,43 +250,31 @@ def test_vit_l_forward_bit_identical():
     """ViT-L at batch 1, eval mode, forward only: ~12 s on 2 CPU cores (two forwards of 4.5 s
     and one build). Its blocks are vit_b_16's, whose backward and train mode are tested above."""
     ours, theirs = loaded_pair("vit_l_16", meta=True)
-    assert step_differences(ours.eval(), theirs.eval(), ZooSpec("vit_l_16"),
+    assert step_differences(ours.eval(), theirs.eval(), zoo_workload("vit_l_16"),
                             backward=False) == []
 
 
-@dataclass(frozen=True)
-class TinyViTSpec:
+def _tiny_vit_model(source: str) -> nn.Module:
+    if source == "torchvision":
+        from torchvision.models.vision_transformer import VisionTransformer
+
+        return VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4,
+                                 hidden_dim=64, mlp_dim=128, num_classes=10, dropout=0.1,
+                                 attention_dropout=0.1)
+    return vision.VisionTransformer(patch_size=8, layers=2, heads=4, dim=64, mlp_dim=128,
+                                    image_size=32, num_classes=10, dropout=0.1,
+                                    attention_dropout=0.1)
+
+
+def _tiny_vit_batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(2, 3, 32, 32, generator=g), torch.randint(0, 10, (2,), generator=g)
+
+
+def TinyViTSpec(source: str = "ours", model=_tiny_vit_model) -> Workload:  # noqa: N802
     """A small ViT with dropout and attention dropout on (the zoo's have p=0.0), ours or
     torchvision's: the paths that only dropout takes, and where it consumes random numbers."""
-
-    source: str = "ours"
-    batch_size: int = 2
-    seed: int = 0
-    name: str = "tiny_vit"
-
-    def build(self) -> nn.Module:
-        gen_state = torch.random.get_rng_state()
-        torch.manual_seed(self.seed)
-        try:
-            if self.source == "torchvision":
-                from torchvision.models.vision_transformer import VisionTransformer
-
-                return VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=4,
-                                         hidden_dim=64, mlp_dim=128, num_classes=10,
-                                         dropout=0.1, attention_dropout=0.1)
-            return vision.VisionTransformer(patch_size=8, layers=2, heads=4, dim=64, mlp_dim=128,
-                                            image_size=32, num_classes=10, dropout=0.1,
-                                            attention_dropout=0.1)
-        finally:
-            torch.random.set_rng_state(gen_state)
-
-    def batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(index)
-        return torch.randn(self.batch_size, 3, 32, 32, generator=g), torch.randint(
-            0, 10, (self.batch_size,), generator=g)
-
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(output, target)
+    return Workload("tiny_vit", model=functools.partial(model, source), batch=_tiny_vit_batch,
+                    loss=nn.functional.cross_entropy)
 
 
 @pytest.mark.torchvision
@@ -314,7 +296,7 @@ def test_vit_with_dropout_identical():
 @pytest.mark.parametrize("name", ["resnet18", "vit_b_16"])
 def test_fake_memory_identical(name, strategy):
     """The upgrade gate's memory row, and every allocation before it (the whole timeline)."""
-    ours, theirs = gate_measure(ZooSpec(name), strategy), gate_measure(TorchvisionSpec(name),
+    ours, theirs = gate_measure(zoo_workload(name), strategy), gate_measure(TorchvisionSpec(name),
                                                                        strategy)
     assert ours.peak == theirs.peak
     assert ours.peak_breakdown == theirs.peak_breakdown
@@ -326,7 +308,7 @@ def test_fake_memory_identical(name, strategy):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["foreach", "in_backward"])
 def test_vit_l_fake_memory_identical(strategy):
-    ours = gate_measure(ZooSpec("vit_l_16"), strategy)
+    ours = gate_measure(zoo_workload("vit_l_16"), strategy)
     theirs = gate_measure(TorchvisionSpec("vit_l_16"), strategy)
     assert ours.peak == theirs.peak
     assert ours.peak_breakdown == theirs.peak_breakdown
@@ -348,13 +330,13 @@ class NoTorchvision(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, NoTorchvision())
 import torch
 from hookbench.memory import measure
-from hookbench.zoo import ZooSpec
+from hookbench.zoo import workload as zoo_workload
 
-counts = {n: sum(p.numel() for p in ZooSpec(n).build().parameters())
+counts = {n: sum(p.numel() for p in zoo_workload(n).build().parameters())
           for n in ("resnet18", "vit_b_16")}
 with torch.device("meta"):
-    counts["vit_l_16"] = sum(p.numel() for p in ZooSpec("vit_l_16").build().parameters())
-peak = measure(ZooSpec("resnet18"), "foreach").peak  # a gate memory row, fake backend
+    counts["vit_l_16"] = sum(p.numel() for p in zoo_workload("vit_l_16").build().parameters())
+peak = measure(zoo_workload("resnet18"), "foreach").peak  # a gate memory row, fake backend
 loaded = "torchvision" in sys.modules
 try:
     import torchvision
@@ -435,7 +417,7 @@ def _block_without_final_relu(self, x):
 def test_step_helper_reports_a_difference():
     """A forward that differs while the layout does not (a block that skips its last ReLU)
     shows up in the outputs and the gradients."""
-    spec = ZooSpec("resnet18")
+    spec = zoo_workload("resnet18")
     intact = spec.build()
     broken = copy.deepcopy(intact)
     assert step_differences(broken, intact, spec) == []
@@ -455,12 +437,14 @@ def _holding_forward(self, x):
     return self.heads(self.encoder(x)[:, 0])
 
 
-@dataclass(frozen=True)
-class HoldingSpec(TinyViTSpec):
-    def build(self) -> nn.Module:
-        model = super().build()
-        model.forward = types.MethodType(_holding_forward, model)
-        return model
+def _holding_model(source: str) -> nn.Module:
+    model = _tiny_vit_model(source)
+    model.forward = types.MethodType(_holding_forward, model)
+    return model
+
+
+def HoldingSpec() -> Workload:  # noqa: N802
+    return TinyViTSpec(model=_holding_model)
 
 
 def test_memory_comparison_sees_a_tensor_held_longer():

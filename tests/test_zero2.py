@@ -13,7 +13,8 @@ import torch.distributed as dist
 from hookbench import launch, zero2, zero2_runs
 from hookbench.memory import measure
 from hookbench.parity import FAMILIES, compare, parameters_only, trajectory
-from hookbench.zoo import BENCHMARK_MLP, TinySpec, ZooSpec
+from hookbench.zoo import BENCHMARK_MLP, TinySpec
+from hookbench.zoo import workload as zoo_workload
 
 pytestmark = pytest.mark.distributed
 
@@ -193,10 +194,10 @@ BUCKET = 2**22  # elements: 16 MiB of fp32 gradients
 @pytest.mark.parametrize("world", [2, 64])
 def test_vit_l_memory_per_rank_follows_the_zero_formula(world):
     # Rank 0 of N simulated in this process: fake tensors and a fake process group.
-    r = measure(ZooSpec("vit_l_16"), "zero2", world_size=world,
+    r = measure(zoo_workload("vit_l_16"), "zero2", world_size=world,
                 optimizer_kwargs={"lr": 1e-3, "bucket_numel": BUCKET})
     with torch.device("meta"):
-        sizes = [p.numel() for p in ZooSpec("vit_l_16").build().parameters()]
+        sizes = [p.numel() for p in zoo_workload("vit_l_16").build().parameters()]
     rounded = lambda nbytes: -(-nbytes // 512) * 512  # noqa: E731 - the allocator's rounding
     shard = -(-sum(sizes) // world)  # elements per rank
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -222,7 +223,7 @@ def test_vit_l_memory_per_rank_follows_the_zero_formula(world):
 
 
 def test_real_gloo_ranks_agree_with_the_simulation():
-    spec, kw = ZooSpec("transformer"), {"lr": 1e-3, "bucket_numel": 4096}
+    spec, kw = zoo_workload("transformer"), {"lr": 1e-3, "bucket_numel": 4096}
     real = launch.run(zero2_runs.rank_memory, 2, spec, kw, timeout=120)
     # Equal but for one reduction chunk: gloo's worker thread drops its reference to the
     # chunk a moment after dist.reduce returns, so on a real rank the chunk may still be alive
@@ -611,9 +612,9 @@ def test_parity_on_nccl():
 @pytest.mark.gpu
 def test_per_rank_memory_on_one_gpu():
     kw = {"lr": 1e-3, "bucket_numel": BUCKET}
-    gpu = measure(ZooSpec("vit_l_16"), "zero2", backend="cuda", world_size=8,
+    gpu = measure(zoo_workload("vit_l_16"), "zero2", backend="cuda", world_size=8,
                   optimizer_kwargs=kw)
-    fake = measure(ZooSpec("vit_l_16"), "zero2", world_size=8, optimizer_kwargs=kw)
+    fake = measure(zoo_workload("vit_l_16"), "zero2", world_size=8, optimizer_kwargs=kw)
     print(f"\nZeRO-2 rank 0 of 8, ViT-L: max_memory_allocated {gpu.peak / 1e9:.3f} GB, "
           f"simulated {fake.peak / 1e9:.3f} GB")
     # Allocator rounding is modelled; cuBLAS workspaces and kernel scratch are not: 5%.

@@ -1,0 +1,223 @@
+"""A user's workload under hookbench: what ``hookbench gate --workload`` gates and what the
+pytest plugin asserts, measured the same way for both.
+
+For each ``hookbench.Workload`` (rows keyed ``name/what``):
+
+    name/forloop, name/foreach          its own optimizer stepped the standard way, STEPS steps:
+                                        parameters and optimizer state after every step,
+                                        fingerprinted (``baselines.fingerprint``)
+    name/in_backward                    ``OptimizerInBackward``: bit for bit the for-loop step
+                                        (identical arithmetic), within the foreach tolerance
+                                        where the model is compiled
+    name/in_backward_grouped_foreach    the grouped foreach mode, within tolerance of foreach
+    name/zero2                          ``Zero2`` on ZERO2_RANKS gloo ranks against the for-loop
+                                        step on the ranks' shares of each batch in one process
+                                        (``zero2_runs.TOLERANCE``), no
+                                        gradient left on a parameter, every hook once
+    name/memory/<strategy>              one step's peak on the fake backend; the optimizer in
+                                        backward must not exceed the standard step's peak, and
+                                        neither it nor ZeRO-2 may hold every gradient at once
+
+A strategy that refuses the workload by design (the optimizer in backward with fp16, which
+needs a GradScaler that sees every gradient first) is checked to refuse, in words, before it
+changes anything: the row is ``{"refused": message}``, and it fails if the strategy accepts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from hookbench import launch, zero2_runs
+from hookbench.baselines import fingerprint
+from hookbench.memory import measure
+from hookbench.parity import (Tolerance, compare, parameters_only, tolerance, training,
+                              trajectory)
+from hookbench.prerequisites import attempt
+from hookbench.workload import Workload
+
+__all__ = ["MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS", "measure_all", "memory",
+           "refusal", "trajectories", "zero2"]
+
+STRATEGIES = ("forloop", "foreach", "in_backward", "in_backward_grouped_foreach")
+# Against what each strategy's parameters are compared, and whether the arithmetic is identical.
+_REFERENCE = {"foreach": ("forloop", False), "in_backward": ("forloop", True),
+              "in_backward_grouped_foreach": ("foreach", False)}
+MEMORY_STRATEGIES = ("foreach", "in_backward", "zero2")
+STEPS = 3
+ZERO2_RANKS = 2
+ZERO2_MEMORY_WORLD = 8  # rank 0 of 8 simulated ranks, as the gate's zoo rows
+# Under autocast two strategies whose fp32 updates differ by an ulp feed the next forward
+# weights that round to different low-precision values now and then, so their trajectories
+# drift apart by about one bf16/fp16 rounding of an activation: bf16 keeps 8 bits (eps 7.8e-3),
+# fp16 11 bits (eps 9.8e-4). A quarter of eps relative to the parameter, plus an absolute
+# floor for parameters near zero, still fails a step that went wrong (a whole lr-sized update).
+_AUTOCAST_TOLERANCE = {"bf16": Tolerance(rtol=2e-3, atol=1e-4),
+                       "fp16": Tolerance(rtol=2.5e-4, atol=1e-5)}
+
+
+def refusal(workload: Workload, strategy: str) -> str | None:
+    """Why ``strategy`` refuses ``workload`` by design, or None."""
+    if workload.precision == "fp16" and strategy.startswith("in_backward"):
+        return ("the optimizer in backward refuses fp16: a GradScaler must see every gradient "
+                "before any parameter is stepped")
+    return None
+
+
+def _tolerance(workload: Workload, identical: bool) -> Tolerance | None:
+    dtype = workload.parameter_dtype
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"workload {workload.name!r}: parameters in {dtype}; hookbench states "
+                         f"tolerances for float32 and float64 parameters (train in low "
+                         f"precision with precision='bf16' or 'fp16', which autocasts)")
+    if identical and workload.compile is None:
+        return None  # the same operations in the same order: bit for bit
+    if workload.precision in _AUTOCAST_TOLERANCE:
+        return _AUTOCAST_TOLERANCE[workload.precision]
+    return tolerance("foreach", dtype)
+
+
+def _refused(workload: Workload, strategy: str) -> dict[str, Any]:
+    """Run a strategy that must refuse: its first words, or a problem if it ran."""
+    cls, kwargs = workload.optimizer
+    try:
+        trajectory(workload, cls, kwargs, strategy, steps=1)
+    except (ValueError, RuntimeError) as e:
+        return {"refused": f"{type(e).__name__}: {str(e).split(':')[0]}"}
+    return {"problems": [f"{strategy} trained a {workload.precision} workload; it must refuse "
+                         f"({refusal(workload, strategy)})"]}
+
+
+def trajectories(workload: Workload) -> dict[str, dict[str, Any]]:
+    """Each of ``STRATEGIES``: a fingerprint and its parity with its reference (``problems``),
+    or its refusal, or what stopped it (``{"error": ...}``)."""
+    cls, kwargs = workload.optimizer
+    runs: dict[str, list] = {}
+    out = {}
+    for strategy in STRATEGIES:
+        def run(strategy: str = strategy) -> dict[str, Any]:
+            if refusal(workload, strategy):
+                return _refused(workload, strategy)
+            runs[strategy] = trajectory(workload, cls, kwargs, strategy, steps=STEPS)
+            # On another CPU the bits may change; then the final parameters must stay within
+            # what two implementations of the step may differ by.
+            machine = _tolerance(workload, identical=False)
+            row = {**fingerprint(runs[strategy]), "problems": [],
+                   "tolerance": {"rtol": machine.rtol, "atol": machine.atol}}
+            if strategy in _REFERENCE:
+                reference, identical = _REFERENCE[strategy]
+                if reference not in runs:
+                    row["problems"].append(f"no {reference} run to compare with")
+                    return row
+                result = compare(runs[strategy], runs[reference],
+                                 _tolerance(workload, identical))
+                row["parity"] = f"vs {reference}: {result.verdict()}"
+                if not result.ok:
+                    row["problems"].append(row["parity"])
+            return row
+
+        out[f"{workload.name}/{strategy}"] = attempt(run)
+    return out
+
+
+def _bucket(workload: Workload) -> int:
+    """A quarter of the trainable elements, so that one backward reduces several buckets."""
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in workload.model().parameters() if p.requires_grad)
+    return max(1, math.ceil(numel / 4))
+
+
+def _data_parallel(workload: Workload, kwargs: dict[str, Any]) -> list:
+    """The reference for ZeRO-2: the for-loop step on the mean of the ranks' losses, each on
+    its share of the batch, in one process. Against the whole batch in one forward, low
+    precision would round differently (a bf16 mean over 8 rows is not the mean of two bf16
+    means over 4) and Adam turns those roundings into whole steps; this way only the order of
+    the fp32 gradient sum differs."""
+    with training(workload, workload.optimizer[0], kwargs, "forloop") as run:
+        snapshots = []
+        for i in range(STEPS):
+            run.step_on([zero2_runs.local_batch(workload, i, r, ZERO2_RANKS, "cpu")
+                         for r in range(ZERO2_RANKS)])
+            snapshots.append(run.snapshot())
+    return parameters_only(snapshots)
+
+
+def zero2(workloads: list[Workload], fault: str | None = None,
+          timeout: float = 300.0) -> dict[str, dict[str, Any]]:
+    """ZeRO-2 on ``ZERO2_RANKS`` gloo ranks for every workload, from one start of the ranks (a
+    fault is injected inside them): parity with the for-loop step on the whole batch."""
+    cases = [dict(spec=w, optimizer_class=w.optimizer[0],
+                  kwargs={**w.optimizer[1], "foreach": False}, bucket_numel=_bucket(w),
+                  steps=STEPS, fault=fault) for w in workloads]
+    ranks = launch.run(zero2_runs.trajectories, ZERO2_RANKS, cases, timeout=timeout)
+    out = {}
+    for i, (w, case) in enumerate(zip(workloads, cases)):
+        def row(i: int = i, w: Workload = w, case: dict = case) -> dict[str, Any]:
+            got = [rank[i] for rank in ranks]
+            problems = zero2_runs.rank_problems(got)
+            if any(g["error"] for g in got):
+                return {"problems": problems}
+            result = compare(got[0]["snapshots"], _data_parallel(w, case["kwargs"]),
+                             zero2_runs.TOLERANCE)
+            if not result.ok:
+                problems.append(f"vs single-process training: {result.verdict()}")
+            t = zero2_runs.TOLERANCE
+            return {**fingerprint(got[0]["snapshots"]), "problems": problems,
+                    "parity": f"vs forloop on the ranks' shares: {result.verdict()}",
+                    "tolerance": {"rtol": t.rtol, "atol": t.atol}}
+
+        out[f"{w.name}/zero2"] = attempt(row)
+    return out
+
+
+def memory(workload: Workload) -> dict[str, dict[str, Any]]:
+    """One step's peak per ``MEMORY_STRATEGIES`` on the fake backend (a compiled workload is
+    measured eager: fake tensors do not run compiled code), with what the optimizer in
+    backward must save."""
+    eager = workload.replace(compile=None)
+    cls, kwargs = workload.optimizer
+    measured: dict[str, Any] = {}
+    out = {}
+    for strategy in MEMORY_STRATEGIES:
+        if refusal(workload, strategy):
+            continue  # the trajectory row checks the refusal
+        def one(strategy: str = strategy) -> dict[str, Any]:
+            zero = strategy == "zero2"
+            r = measure(eager, strategy, optimizer_class=cls,
+                        optimizer_kwargs={**kwargs, "bucket_numel": _bucket(workload)}
+                        if zero else kwargs, world_size=ZERO2_MEMORY_WORLD if zero else 1)
+            measured[strategy] = r
+            problems = []
+            standard = measured.get("foreach")
+            # Not "<": where activations peak in backward (a small model, a long sequence),
+            # both steps peak there, and the saving shows in the gradients alive instead.
+            if strategy == "in_backward" and standard is not None and r.peak > standard.peak:
+                problems.append(f"costs memory: peak {r.peak} B > the standard step's "
+                                f"{standard.peak} B")
+            if strategy != "foreach" and r.gradients_alive_max >= r.all_gradients > 0:
+                problems.append(f"holds every gradient at once ({r.gradients_alive_max} B)")
+            return {"peak": r.peak, "breakdown": r.peak_breakdown,
+                    "gradients_alive_max": r.gradients_alive_max, "problems": problems}
+
+        out[f"{workload.name}/memory/{strategy}"] = attempt(one)
+    return out
+
+
+def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str, Any]:
+    """Every row above for every workload (names must differ)."""
+    names = [w.name for w in workloads]
+    if len(set(names)) != len(names):
+        raise ValueError(f"workload names must differ: {sorted(names)}")
+    out: dict[str, Any] = {}
+    for w in workloads:
+        out.update(trajectories(w))
+    try:
+        out.update(zero2(workloads, fault))
+    except Exception as e:  # noqa: BLE001 - a crashed or late rank fails the ZeRO-2 rows
+        out.update({f"{w.name}/zero2": {"error": f"{type(e).__name__}: {e}"}
+                    for w in workloads})
+    for w in workloads:
+        out.update(memory(w))
+    return out
