@@ -6,16 +6,16 @@ With N data-parallel ranks:
   padded to a multiple of N and cut into N contiguous pieces; rank r owns piece r, so a
   parameter may straddle two ranks. The optimizer runs on this rank's pieces of the parameters
   (one 1-D view per parameter piece), so it holds state for 1/N of the model;
-* during backward a post-accumulate-grad hook per parameter moves its gradient into its bucket
+* during backward a post-accumulate-grad hook per parameter copies its gradient into its bucket
   and frees ``param.grad`` at once. Buckets are fixed at construction (parameters in reverse
   registration order, backward's order for most models, up to ``bucket_numel`` elements each)
   and reduced strictly in that order, each as soon as it is complete and every earlier one is
   reduced; whatever is left is reduced when backward ends (a callback queued on the autograd
   engine, as DeepSpeed does). The schedule is the same on every rank whichever parameters got
   a gradient: a rank that did not use a parameter sends zeros for it at the end of its
-  backward, and the ranks that did wait for it there (as DDP does). A bucket is reduced to the
-  owners of its pieces (one ``dist.reduce`` per owning rank, so it costs its own size and not N
-  times it) and averaged;
+  backward, and the ranks that did wait for it there (as DDP does). A bucket is laid out owner
+  by owner, and each owner's region is reduced to it in place (one ``dist.reduce`` per owning
+  rank, so a bucket costs its own size and not N times it; no concatenated copy) and averaged;
 * at the end of each backward one small all-reduce tells every rank which parameters got a
   gradient on any rank, and whether any rank's shard holds an inf/NaN. A parameter that got
   none anywhere keeps ``grad=None`` on its pieces, so the optimizer leaves it and its state
@@ -35,8 +35,8 @@ change meaning; it is refused, unless ``elementwise=True`` says the class is ele
 Reentrant activation checkpointing is refused (see ``OptimizerInBackward``).
 
 Per rank, fp32 Adam: parameters 4 Psi + gradient shard 4 Psi/N + Adam state 8 Psi/N, the
-ZeRO paper's 4 Psi + 12 Psi / N, plus activations, the bucket and its concatenated copy for
-the reduction. The gradient shard is allocated when the rank's first piece arrives.
+ZeRO paper's 4 Psi + 12 Psi / N, plus activations and at most one bucket in flight. The
+gradient shard is allocated when the rank's first piece arrives.
 """
 
 from __future__ import annotations
@@ -114,10 +114,18 @@ class _Flat:
 
 
 @dataclass(eq=False)
-class _Bucket:
-    members: list[tuple[int, int]]  # (group, parameter index), in reduction order
+class _Region:
+    """One owner's part of a bucket: the unit that is reduced, to that owner."""
+
+    owner: int
     numel: int
-    grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # arrived
+    # per member (group, parameter index): (position here, start, end within the parameter,
+    # offset within the owner's shard) of each of its pieces that this owner owns
+    slots: dict[tuple[int, int], list[tuple[int, int, int, int]]] = field(default_factory=dict)
+    # Filled as gradients arrive (each copied in, then released), allocated at the first one:
+    # the reduction needs no second, concatenated copy.
+    buffer: torch.Tensor | None = None
+    arrived: set[tuple[int, int]] = field(default_factory=set)
 
 
 class Zero2:
@@ -189,9 +197,13 @@ class Zero2:
             [{**g, "params": [piece for _, piece, _, _ in f.owned]}
              for g, f in zip(groups, self.flats)], **defaults)
         self.hook_calls: Counter[str] = Counter()  # per parameter name, in the last backward
-        self._buckets = _buckets(self.flats, bucket_numel)
-        self._bucket_of = {m: b for b in self._buckets for m in b.members}
-        self._next = 0  # the first bucket not yet reduced in this backward
+        self._regions = _regions(self.flats, bucket_numel, self.world)
+        self._region_of: dict[tuple[int, int], list[_Region]] = {}
+        for region in self._regions:
+            for member in region.slots:
+                self._region_of.setdefault(member, []).append(region)
+        self._members = list(self._region_of)  # (group, parameter index), the same on every rank
+        self._next = 0  # the first region not yet reduced in this backward
         self._arrived: set[tuple[int, int]] = set()  # (group, index) in this backward
         self._got_grad: dict[tuple[int, int], bool] = {}  # (group, index) -> any rank, any pass
         self._graph_task = -1
@@ -233,21 +245,27 @@ class Zero2:
             raise RuntimeError(f"post-accumulate-grad hook fired twice for parameter '{name}' "
                                f"in one backward pass")
         self._arrived.add((group, index))
-        bucket = self._bucket_of[group, index]
-        bucket.grads[group, index] = param.grad.detach().reshape(-1)
-        param.grad = None  # released at once: from here on only the bucket holds it
-        while (self._next < len(self._buckets)
-               and len(self._buckets[self._next].grads) == len(self._buckets[self._next].members)):
-            self._reduce(self._buckets[self._next])
+        grad = param.grad.detach().reshape(-1)
+        for region in self._region_of[group, index]:
+            if region.buffer is None:  # zeros: what this rank did not use goes as zeros
+                region.buffer = self.flats[group].buffer.new_zeros(region.numel)
+            for position, start, end, _ in region.slots[group, index]:
+                region.buffer[position:position + end - start].copy_(grad[start:end])
+            region.arrived.add((group, index))
+        del grad
+        param.grad = None  # released at once: from here on only the buckets hold it
+        while (self._next < len(self._regions)
+               and len(self._regions[self._next].arrived) == len(self._regions[self._next].slots)):
+            self._reduce(self._regions[self._next])
             self._next += 1
 
     @torch.no_grad()
     def _end_of_backward(self) -> None:
-        for bucket in self._buckets[self._next:]:
-            self._reduce(bucket)  # what this rank did not use goes as zeros
+        for region in self._regions[self._next:]:
+            self._reduce(region)  # what this rank did not use goes as zeros
         self._next = 0
         self._graph_task = -1
-        local = [int(m in self._arrived) for m in self._bucket_of]
+        local = [int(m in self._arrived) for m in self._members]
         self._arrived.clear()
         if self.simulated:
             used, nonfinite = local, False
@@ -260,7 +278,7 @@ class Zero2:
                                  device=self.flats[0].buffer.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             *used, nonfinite = flags.tolist()
-        for member, u in zip(self._bucket_of, used):
+        for member, u in zip(self._members, used):
             self._got_grad[member] = self._got_grad.get(member, False) or bool(u)
         for g, flat in enumerate(self.flats):
             if nonfinite and flat.grad is not None:
@@ -272,33 +290,24 @@ class Zero2:
                     piece.grad = flat.grad[offset:offset + piece.numel()]
 
     @torch.no_grad()
-    def _reduce(self, bucket: _Bucket) -> None:
-        """Reduce the bucket to the owners of its pieces; keep and average our own piece."""
+    def _reduce(self, region: _Region) -> None:
+        """Reduce the region to its owner; the owner averages it into its shard's gradient."""
         # The same fixed layout on every rank, so the reductions line up.
-        layout: dict[int, list[tuple[torch.Tensor | int, int, int]]] = {}
-        for group, index in bucket.members:
-            grad = bucket.grads.get((group, index))
-            for owner, start, end, offset in self.flats[group].pieces(index, self.world):
-                piece = grad[start:end] if grad is not None else end - start  # zeros
-                layout.setdefault(owner, []).append((piece, group, offset))
-        buffer = self.flats[bucket.members[0][0]].buffer
-        for owner in sorted(layout):
-            chunk = torch.cat([p if torch.is_tensor(p) else buffer.new_zeros(p)
-                               for p, _, _ in layout[owner]])
-            if self._collectives:
-                reduce_to_owner(chunk, owner, self.group)  # a global: faults can replace it
-            if owner != self.rank:
-                continue
-            chunk /= self.world
-            position = 0
-            for piece, group, offset in layout[owner]:
+        if region.buffer is None:  # no member got a gradient on this rank
+            first = next(iter(region.slots))[0]
+            region.buffer = self.flats[first].buffer.new_zeros(region.numel)
+        if self._collectives:
+            reduce_to_owner(region.buffer, region.owner, self.group)  # faults can replace it
+        if region.owner == self.rank:
+            region.buffer /= self.world
+            for (group, _), pieces in region.slots.items():
                 flat = self.flats[group]
                 if flat.grad is None:
                     flat.grad = torch.zeros_like(flat.shard)
-                n = piece.numel() if torch.is_tensor(piece) else piece
-                flat.grad[offset:offset + n] += chunk[position:position + n]
-                position += n
-        bucket.grads = {}
+                for position, start, end, offset in pieces:
+                    flat.grad[offset:offset + end - start] += region.buffer[
+                        position:position + end - start]
+        region.buffer, region.arrived = None, set()
 
     # -- step ------------------------------------------------------------------------------------
 
@@ -329,7 +338,7 @@ class Zero2:
     @torch.no_grad()
     def step(self) -> None:
         """Step the owned pieces, then all-gather so every rank holds the full parameters."""
-        if any(b.grads for b in self._buckets):
+        if any(r.arrived for r in self._regions):
             raise RuntimeError("step() with gradients still in a bucket: backward did not end")
         self.optimizer.step()
         for flat in self.flats:
@@ -454,18 +463,30 @@ def _check_same_on_every_rank(groups: list[dict[str, Any]], names: dict, optimiz
                              f"groups, optimizer class and bucket_numel")
 
 
-def _buckets(flats: list[_Flat], bucket_numel: int) -> list[_Bucket]:
+def _regions(flats: list[_Flat], bucket_numel: int, world: int) -> list[_Region]:
     """Fixed buckets: parameters in reverse registration order, the order in which backward
-    usually completes them, cut at ``bucket_numel`` elements."""
-    buckets: list[_Bucket] = []
-    members = [(g, i) for g, f in enumerate(flats) for i in range(len(f.params))][::-1]
-    for g, i in members:
+    usually completes them, cut at ``bucket_numel`` elements; each bucket cut again into one
+    region per owner of its pieces, in the order they complete (the last owner's first). The
+    order is the same on every rank: the schedule of the reductions."""
+    buckets: list[list[tuple[int, int]]] = []
+    size = 0
+    for g, i in [(g, i) for g, f in enumerate(flats) for i in range(len(f.params))][::-1]:
         n = flats[g].params[i].numel()
-        if not buckets or buckets[-1].numel + n > bucket_numel:
-            buckets.append(_Bucket([], 0))
-        buckets[-1].members.append((g, i))
-        buckets[-1].numel += n
-    return buckets
+        if not buckets or size + n > bucket_numel:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((g, i))
+        size += n
+    regions = []
+    for members in buckets:
+        by_owner: dict[int, _Region] = {}
+        for g, i in members:
+            for owner, start, end, offset in flats[g].pieces(i, world):
+                region = by_owner.setdefault(owner, _Region(owner, 0))
+                region.slots.setdefault((g, i), []).append((region.numel, start, end, offset))
+                region.numel += end - start
+        regions += [by_owner[owner] for owner in sorted(by_owner, reverse=True)]
+    return regions
 
 
 def _groups(params: list[dict[str, Any]] | None, names: dict) -> list[dict[str, Any]]:

@@ -186,8 +186,9 @@ def test_a_tracker_that_misses_allocations_fails_on_the_drop(base):
     assert set(failed) == {f"transformer/{s}" for s in
                            ("in_backward", "in_backward_grouped_foreach", "zero2")}
     for verdict in failed.values():
-        assert verdict.startswith("DROPPED") and "re-record on purpose" in verdict
-        assert "activations" in verdict
+        # The drop is named (ZeRO-2's missed activations may also shift its temporaries up).
+        assert "DROPPED" in verdict and "re-record on purpose" in verdict
+        assert "activations" in verdict.split("DROPPED")[1]
 
 
 def test_memory_fails_below_and_above_the_slack_in_both_directions(base):
