@@ -272,11 +272,16 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
             if p.grad is not None:
                 tracker.track(p.grad, "gradients")
 
+    # What the optimizer steps but the model does not hold: mixed-precision ZeRO-2's fp32
+    # masters, optimizer state as the ZeRO paper counts them (K = 12).
+    model_storages = {id(p.untyped_storage()) for p in params}
+    masters = [t for t in started.optimized if id(t.untyped_storage()) not in model_storages]
+
     def classify() -> None:
         for t in (*params, *model.buffers()):  # buffers (BatchNorm statistics) count as model
             tracker.track(t, "parameters")
         refresh_gradients()
-        for t in state_tensors():
+        for t in (*state_tensors(), *masters):
             tracker.track(t, "optimizer_state")
 
     grads_alive: list[int] = [0]

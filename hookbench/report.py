@@ -73,27 +73,36 @@ ZERO2_BUCKET = 2**22  # gradient elements per bucket
 ZERO2_SLACK = 0.02
 
 
-def zero2_bound(r: MemoryResult, world: int, bucket_numel: int = ZERO2_BUCKET) -> int:
-    """What rank 0 of ``world`` needs with Adam in fp32: all parameters (4 Psi), its shard of
-    Adam's two moments (8 Psi / N) and of the gradient (4 Psi / N), the peak activations and
-    one bucket of fp32 gradient elements."""
-    return (r.parameters + 3 * r.parameters // world + r.activations_peak
-            + 4 * min(bucket_numel, r.parameters // 4))
+def zero2_bound(r: MemoryResult, world: int, bucket_numel: int = ZERO2_BUCKET,
+                mixed: bool = False) -> int:
+    """What rank 0 of ``world`` needs with Adam. fp32: all parameters (4 Psi), its shard of
+    Adam's two moments (8 Psi / N) and of the gradient (4 Psi / N). bf16 with fp32 masters
+    (``mixed``): all bf16 parameters (2 Psi), its shard of the bf16 gradient (2 Psi / N), of the
+    fp32 masters (4 Psi / N) and of Adam's moments (8 Psi / N): the ZeRO paper's 2 Psi +
+    14 Psi / N. Both plus the peak activations and one bucket of gradient elements."""
+    p, size = r.parameters, 2 if mixed else 4  # p: the model's parameter bytes
+    return (p + (7 if mixed else 3) * p // world + r.activations_peak
+            + size * min(bucket_numel, p // size))
+
+
+MIXED = {"param_dtype": torch.bfloat16}  # the report's mixed-precision ZeRO-2
 
 
 def zero2_section(spec: Workload, backend: str, standard: MemoryResult | None,
                   fused: MemoryResult | None,
                   progress: Callable[[str], None] = lambda message: None) -> Section:
-    """Parity of ZeRO-2 on 2 spawned gloo ranks against single-process training, and rank 0's
+    """Parity of ZeRO-2 on 2 spawned gloo ranks against single-process training (fp32) and
+    against its single-process data-parallel reference (bf16 with fp32 masters), and rank 0's
     peak for N ranks against its bound, beside the single-device strategies (where
     measured)."""
     section = Section("ZeRO-2 (sharded gradient release): parity on gloo, and rank 0's peak "
-                      "(GB) against its bound 4 Psi + 12 Psi / N + activations + bucket",
-                      ("check", "verdict"))
-    progress("ZeRO-2: parity on 2 gloo ranks ...")
+                      "(GB) against its bound, fp32 4 Psi + 12 Psi / N, bf16 with fp32 masters "
+                      "2 Psi + 14 Psi / N, each + activations + bucket", ("check", "verdict"))
+    progress("ZeRO-2: parity on 2 gloo ranks, fp32 and bf16 ...")
     cases = zero2_runs.parity_cases()
+    mixed = [{**case, "kwargs": {**case["kwargs"], **MIXED}} for case in cases]
     try:
-        ranks = launch.run(zero2_runs.trajectories, 2, cases)
+        ranks = launch.run(zero2_runs.trajectories, 2, cases + mixed)
     except Exception as e:  # noqa: BLE001 - a crashed rank is a failed row, not a traceback
         section.add(False, "parity on 2 gloo ranks", f"FAILED: {type(e).__name__}: {e}")
         ranks = None
@@ -104,21 +113,34 @@ def zero2_section(spec: Workload, backend: str, standard: MemoryResult | None,
             result = compare(got[i]["snapshots"], ref, zero2_runs.TOLERANCE)
             section.add(result.ok, f"{case['optimizer_class'].__name__}, gloo rank {rank} of 2",
                         result.verdict())
+    for i, case in enumerate(mixed if ranks else (), start=len(cases)):
+        ref = zero2_runs.mixed_reference(case["spec"], case["optimizer_class"],
+                                         cases[i - len(cases)]["kwargs"], case["steps"], 2,
+                                         **MIXED)
+        # The same operations in the same order as the reference: bit for bit.
+        result = compare(ranks[0][i]["snapshots"], ref["snapshots"])
+        masters = torch.cat([rank[i]["masters"][0] for rank in ranks])[:ref["masters"].numel()]
+        same = torch.equal(masters, ref["masters"])
+        section.add(result.ok and same,
+                    f"{case['optimizer_class'].__name__} bf16 + fp32 masters, 2 gloo ranks",
+                    f"parameters {result.verdict()}, masters "
+                    f"{'bit-exact' if same else 'DIFFER'} vs one process")
     for n in ZERO2_RANKS:
-        def check(n=n) -> tuple[bool, str]:
-            progress(f"ZeRO-2: {spec.name} rank 0 of {n}, backend {backend} ...")
-            r = measure(spec, "zero2", backend=backend, world_size=n,
-                        optimizer_kwargs={"lr": 1e-3, "bucket_numel": ZERO2_BUCKET})
-            bound = zero2_bound(r, n)
-            ok = (r.peak <= bound * (1 + ZERO2_SLACK)
-                  and r.gradients_alive_max < r.all_gradients)
-            beside = "" if standard is None or fused is None else (
-                f"; one device: foreach {standard.peak / 1e9:.3f}, in backward "
-                f"{fused.peak / 1e9:.3f}")
-            return ok, (f"peak {r.peak / 1e9:.3f} = {r.peak / bound:.2f}x the bound "
-                        f"{bound / 1e9:.3f} (fails above {1 + ZERO2_SLACK:.2f}x)" + beside)
+        for label, extra in (("", {}), (", bf16", MIXED)):
+            def check(n=n, extra=extra, label=label) -> tuple[bool, str]:
+                progress(f"ZeRO-2: {spec.name} rank 0 of {n}{label}, backend {backend} ...")
+                r = measure(spec, "zero2", backend=backend, world_size=n,
+                            optimizer_kwargs={"lr": 1e-3, "bucket_numel": ZERO2_BUCKET, **extra})
+                bound = zero2_bound(r, n, mixed=bool(extra))
+                ok = (r.peak <= bound * (1 + ZERO2_SLACK)
+                      and r.gradients_alive_max < r.all_gradients)
+                beside = "" if standard is None or fused is None or extra else (
+                    f"; one device: foreach {standard.peak / 1e9:.3f}, in backward "
+                    f"{fused.peak / 1e9:.3f}")
+                return ok, (f"peak {r.peak / 1e9:.3f} = {r.peak / bound:.2f}x the bound "
+                            f"{bound / 1e9:.3f} (fails above {1 + ZERO2_SLACK:.2f}x)" + beside)
 
-        section.attempt(f"{spec.name} rank 0 of {n}", check=check)
+            section.attempt(f"{spec.name} rank 0 of {n}{label}", check=check)
     return section
 
 

@@ -34,13 +34,25 @@ per-tensor norm (Adafactor, LAMB, LARS, Muon, Shampoo) would see 1-D pieces of p
 change meaning; it is refused, unless ``elementwise=True`` says the class is elementwise.
 Reentrant activation checkpointing is refused (see ``OptimizerInBackward``).
 
+Mixed precision (``param_dtype=torch.bfloat16``): the model's parameters become bf16 views
+of the flat buffer (forward, backward and the all-gather run in bf16), and each rank keeps an
+fp32 master copy of its own pieces only, taken from the parameters' original values (the
+model's floating-point inputs are cast to bf16, as FSDP2's ``MixedPrecisionPolicy`` does); the
+optimizer steps the masters, and the updated masters are rounded into the bf16 shard before
+the all-gather. Gradients are reduced, and the shard's gradient kept, in ``reduce_dtype``
+(default: ``param_dtype``, as FSDP2 and DeepSpeed do); the step converts them to fp32 one
+bucket of elements at a time, so it holds no shard-sized fp32 gradient. fp16 is refused: it
+needs dynamic loss scaling, which this mixed mode does not do (use bf16).
+
 Per rank, fp32 Adam: parameters 4 Psi + gradient shard 4 Psi/N + Adam state 8 Psi/N, the
-ZeRO paper's 4 Psi + 12 Psi / N, plus activations and at most one bucket in flight. The
-gradient shard is allocated when the rank's first piece arrives.
+ZeRO paper's 4 Psi + 12 Psi / N; bf16 with fp32 masters: 2 Psi + (2 Psi + 4 Psi + 8 Psi) / N,
+the paper's 2 Psi + 14 Psi / N (K = 12); plus activations and at most one bucket in flight.
+The gradient shard is allocated when the rank's first piece arrives.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections import Counter
 from dataclasses import dataclass, field
@@ -49,7 +61,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.hooks import RemovableHandle
 
 
@@ -95,10 +107,16 @@ class _Flat:
     shard: torch.Tensor  # this rank's piece of the buffer
     shard_numel: int
     grad: torch.Tensor | None = None  # the shard's gradient, allocated at its first piece
+    master: torch.Tensor | None = None  # mixed precision: this rank's pieces, in fp32
     # this rank's piece of each parameter it owns a part of: (parameter index, the piece as a
-    # leaf view into shard, its offset within shard, its start within the parameter); the
-    # optimizer steps these
+    # leaf view into shard, or into master in mixed precision, its offset within shard, its
+    # start within the parameter); the optimizer steps these
     owned: list[tuple[int, nn.Parameter, int, int]] = field(default_factory=list)
+
+    @property
+    def owned_dtype(self) -> torch.dtype:
+        """The dtype the optimizer steps in: the masters', else the buffer's."""
+        return (self.buffer if self.master is None else self.master).dtype
 
     def pieces(self, i: int, world: int) -> list[tuple[int, int, int, int]]:
         """(owner, start, end within param i, offset within the owner's shard)."""
@@ -142,6 +160,11 @@ class Zero2:
             reduce_bucket_size); 1 reduces each parameter on its own.
         elementwise: True to assert that ``optimizer_class`` updates every element from its own
             gradient and state alone (a class not in ``ELEMENTWISE``).
+        param_dtype: mixed precision: the dtype the parameters are converted to (bf16); the
+            optimizer steps fp32 masters of this rank's pieces. None: train in the
+            parameters' own dtype.
+        reduce_dtype: the dtype gradients are reduced and the shard's gradient kept in
+            (default: the parameters' dtype).
     """
 
     def __init__(
@@ -153,6 +176,8 @@ class Zero2:
         process_group: Any = None,
         bucket_numel: int = 2**22,
         elementwise: bool = False,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
         **defaults: Any,
     ) -> None:
         # Everything is validated (on every rank alike) before the model's parameters are
@@ -178,6 +203,22 @@ class Zero2:
             raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
         self.names = {p: n for n, p in model.named_parameters()}
         groups = _groups(params, self.names)
+        for what, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+            if dtype is not None and not (isinstance(dtype, torch.dtype)
+                                          and dtype.is_floating_point):
+                raise ValueError(f"{what} must be a floating torch.dtype or None, got {dtype!r}")
+        if param_dtype == torch.float16:
+            raise ValueError("param_dtype=torch.float16 needs dynamic loss scaling to keep small "
+                             "gradients from underflowing, which Zero2's mixed precision does "
+                             "not do; use torch.bfloat16 (fp32's range, no loss scaling)")
+        own = {g["params"][0].dtype for g in groups}
+        if param_dtype in own:
+            param_dtype = None  # already the parameters' dtype: nothing to mix
+        if param_dtype is not None and not all(d.itemsize > param_dtype.itemsize for d in own):
+            raise ValueError(f"param_dtype {param_dtype} must be narrower than the parameters' "
+                             f"{sorted(map(str, own))}, whose values become the masters")
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
         optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)  # validates options
         self.group = process_group
         self.world = dist.get_world_size(process_group)
@@ -190,9 +231,12 @@ class Zero2:
         self._collectives = not self.simulated or _C10D_HAS_META
         if not self.simulated:
             _check_same_on_every_rank(groups, self.names, optimizer_class, bucket_numel,
-                                      process_group)
+                                      process_group, (param_dtype, reduce_dtype))
         self.bucket_numel = bucket_numel
-        self.flats = [_flatten(g["params"], self.world, self.rank) for g in groups]
+        self.flats = [_flatten(g["params"], self.world, self.rank, param_dtype) for g in groups]
+        # Whether the shard's gradient is in another dtype than what the optimizer steps.
+        self._convert = any((self.reduce_dtype or f.buffer.dtype) != f.owned_dtype
+                            for f in self.flats)
         self.optimizer = optimizer_class(
             [{**g, "params": [piece for _, piece, _, _ in f.owned]}
              for g, f in zip(groups, self.flats)], **defaults)
@@ -212,6 +256,9 @@ class Zero2:
             for g, flat in enumerate(self.flats) for i, p in enumerate(flat.params)
         ]
         self._handles.append(model.register_forward_hook(_refuse_reentrant_checkpoint))
+        if param_dtype is not None:  # as FSDP2's MixedPrecisionPolicy(cast_forward_inputs=True)
+            self._handles.append(model.register_forward_pre_hook(
+                functools.partial(_cast_inputs, param_dtype), with_kwargs=True))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise ValueError("Zero2 flattens its param groups into sharded buffers once, at "
@@ -248,7 +295,7 @@ class Zero2:
         grad = param.grad.detach().reshape(-1)
         for region in self._region_of[group, index]:
             if region.buffer is None:  # zeros: what this rank did not use goes as zeros
-                region.buffer = self.flats[group].buffer.new_zeros(region.numel)
+                region.buffer = self._new_grad(group, region.numel)
             for position, start, end, _ in region.slots[group, index]:
                 region.buffer[position:position + end - start].copy_(grad[start:end])
             region.arrived.add((group, index))
@@ -285,17 +332,22 @@ class Zero2:
                 # the global gradient is not finite: no rank's shard may look finite, or one
                 # rank's GradScaler would step (and grow its scale) while another skips
                 flat.grad.fill_(float("nan"))
+            if self._convert:
+                continue  # converted a bucket at a time by step()
             for index, piece, offset, _ in flat.owned:
                 if self._got_grad.get((g, index)) and flat.grad is not None:
                     piece.grad = flat.grad[offset:offset + piece.numel()]
+
+    def _new_grad(self, group: int, numel: int) -> torch.Tensor:
+        buffer = self.flats[group].buffer
+        return buffer.new_zeros(numel, dtype=self.reduce_dtype or buffer.dtype)
 
     @torch.no_grad()
     def _reduce(self, region: _Region) -> None:
         """Reduce the region to its owner; the owner averages it into its shard's gradient."""
         # The same fixed layout on every rank, so the reductions line up.
         if region.buffer is None:  # no member got a gradient on this rank
-            first = next(iter(region.slots))[0]
-            region.buffer = self.flats[first].buffer.new_zeros(region.numel)
+            region.buffer = self._new_grad(next(iter(region.slots))[0], region.numel)
         if self._collectives:
             reduce_to_owner(region.buffer, region.owner, self.group)  # faults can replace it
         if region.owner == self.rank:
@@ -303,7 +355,7 @@ class Zero2:
             for (group, _), pieces in region.slots.items():
                 flat = self.flats[group]
                 if flat.grad is None:
-                    flat.grad = torch.zeros_like(flat.shard)
+                    flat.grad = self._new_grad(group, flat.shard_numel)
                 for position, start, end, offset in pieces:
                     flat.grad[offset:offset + end - start] += region.buffer[
                         position:position + end - start]
@@ -322,11 +374,12 @@ class Zero2:
         grads = [f.grad for f in self.flats if f.grad is not None]
         device = self.flats[0].buffer.device
         if norm_type == float("inf"):
-            total = torch.stack([g.abs().max() for g in grads]).max() if grads else \
+            total = torch.stack([g.abs().max().float() for g in grads]).max() if grads else \
                 torch.zeros((), device=device)
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=self.group)
         else:
-            total = sum((torch.linalg.vector_norm(g, norm_type) ** norm_type for g in grads),
+            total = sum((torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type
+                         for g in grads),
                         torch.zeros((), device=device))
             dist.all_reduce(total, group=self.group)
             total = total ** (1.0 / norm_type)
@@ -340,8 +393,30 @@ class Zero2:
         """Step the owned pieces, then all-gather so every rank holds the full parameters."""
         if any(r.arrived for r in self._regions):
             raise RuntimeError("step() with gradients still in a bucket: backward did not end")
-        self.optimizer.step()
+        if not self._convert:
+            self.optimizer.step()
+        for group, flat in enumerate(self.flats if self._convert else ()):
+            # The pieces' gradients in their own dtype, about a bucket of elements at a time:
+            # pieces without a gradient are skipped by the optimizer, so each piece is stepped
+            # once, as in one step() over all of them.
+            chunks: list[list] = [[]]
+            numel = 0
+            for owned in flat.owned:
+                if numel >= self.bucket_numel:
+                    chunks.append([])
+                    numel = 0
+                chunks[-1].append(owned)
+                numel += owned[1].numel()
+            for chunk in chunks:
+                for index, piece, offset, _ in chunk:
+                    if self._got_grad.get((group, index)) and flat.grad is not None:
+                        piece.grad = flat.grad[offset:offset + piece.numel()].to(piece.dtype)
+                self.optimizer.step()
+                for _, piece, _, _ in chunk:
+                    piece.grad = None
         for flat in self.flats:
+            if flat.master is not None:  # the updated masters, rounded into the shard
+                flat.shard.copy_(flat.master)
             # in place: the shard is this rank's slice of the output (as FSDP gathers), so the
             # step holds no shard-sized copy
             if self._collectives:
@@ -435,6 +510,14 @@ class Zero2:
         self.remove()
 
 
+def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: Any, kwargs: Any) -> Any:
+    """The model's floating-point inputs in the parameters' dtype."""
+    def cast(t: Any) -> Any:
+        return t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t
+
+    return tree_map(cast, (args, kwargs))
+
+
 def _refuse_reentrant_checkpoint(module: nn.Module, args: Any, output: Any) -> None:
     if reentrant_checkpoint_in_graph(output):
         raise RuntimeError(
@@ -445,11 +528,13 @@ def _refuse_reentrant_checkpoint(module: nn.Module, args: Any, output: Any) -> N
 
 
 def _check_same_on_every_rank(groups: list[dict[str, Any]], names: dict, optimizer_class: type,
-                              bucket_numel: int, process_group: Any) -> None:
+                              bucket_numel: int, process_group: Any,
+                              dtypes: tuple[Any, Any] = (None, None)) -> None:
     """Raise on every rank, naming the difference, unless every rank shards the same thing:
     otherwise the reductions would not line up and the ranks would hang or mix gradients."""
     mine = [f"optimizer {optimizer_class.__module__}.{optimizer_class.__qualname__}",
-            f"bucket_numel {bucket_numel}", f"{len(groups)} param groups"]
+            f"bucket_numel {bucket_numel}", f"{len(groups)} param groups",
+            f"param_dtype {dtypes[0]}, reduce_dtype {dtypes[1]}"]
     mine += [f"group {i}: '{names[p]}' {tuple(p.shape)} {p.dtype}"
              for i, g in enumerate(groups) for p in g["params"]]
     every: list[Any] = [None] * dist.get_world_size(process_group)
@@ -460,7 +545,7 @@ def _check_same_on_every_rank(groups: list[dict[str, Any]], names: dict, optimiz
                         (f"{len(every[0])} entries", f"{len(theirs)} entries"))
             raise ValueError(f"Zero2 differs between ranks: rank 0 has {diff[0]}, rank {rank} "
                              f"has {diff[1]}; every rank must pass the same model, param "
-                             f"groups, optimizer class and bucket_numel")
+                             f"groups, optimizer class, bucket_numel and dtypes")
 
 
 def _regions(flats: list[_Flat], bucket_numel: int, world: int) -> list[_Region]:
@@ -515,22 +600,31 @@ def _groups(params: list[dict[str, Any]] | None, names: dict) -> list[dict[str, 
 
 
 @torch.no_grad()
-def _flatten(params: list[nn.Parameter], world: int, rank: int) -> _Flat:
+def _flatten(params: list[nn.Parameter], world: int, rank: int,
+             param_dtype: torch.dtype | None = None) -> _Flat:
     offsets, total = [], 0
     for p in params:
         offsets.append(total)
         total += p.numel()
     shard_numel = -(-total // world)
-    buffer = torch.zeros(shard_numel * world, dtype=params[0].dtype, device=params[0].device)
+    buffer = torch.zeros(shard_numel * world, dtype=param_dtype or params[0].dtype,
+                         device=params[0].device)
+    flat = _Flat(params, offsets, buffer, buffer[rank * shard_numel:(rank + 1) * shard_numel],
+                 shard_numel)
+    if param_dtype is not None:  # the masters: this rank's pieces at their original precision
+        flat.master = torch.zeros(shard_numel, dtype=params[0].dtype, device=buffer.device)
+        for i, p in enumerate(params):
+            for owner, start, end, offset in flat.pieces(i, world):
+                if owner == rank:
+                    flat.master[offset:offset + end - start].copy_(p.reshape(-1)[start:end])
     for p, o in zip(params, offsets):
         buffer[o:o + p.numel()].copy_(p.reshape(-1))
         p.data = buffer[o:o + p.numel()].view_as(p)  # the parameter now lives in the buffer
-    flat = _Flat(params, offsets, buffer, buffer[rank * shard_numel:(rank + 1) * shard_numel],
-                 shard_numel)
+    stepped = flat.shard if flat.master is None else flat.master
     for i in range(len(params)):
         for owner, start, end, offset in flat.pieces(i, world):
-            if owner == rank:  # a leaf sharing the buffer's storage: the optimizer writes there
-                piece = nn.Parameter(flat.shard[offset:offset + end - start])
+            if owner == rank:  # a leaf sharing the storage it steps: the optimizer writes there
+                piece = nn.Parameter(stepped[offset:offset + end - start])
                 flat.owned.append((i, piece, offset, start))
     return flat
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map
 
 from hookbench.faults import inject
 from hookbench.memory import measure
@@ -24,8 +25,8 @@ from hookbench.zero2 import Zero2
 from hookbench.zoo import TinySpec
 
 __all__ = ["PARITY_OPTIMIZERS", "PARITY_SPEC", "TOLERANCE", "Lockstep", "follow",
-           "fsdp2_trajectory", "local_batch", "parity_cases", "rank_memory", "rank_problems",
-           "trajectories", "trajectory"]
+           "fsdp2_trajectory", "local_batch", "mixed_reference", "parity_cases", "rank_memory",
+           "rank_problems", "trajectories", "trajectory"]
 
 # Against single-process training on the global batch: the reduction sums the ranks' mean
 # gradients and divides by N, where the reference takes one mean over the global batch, a
@@ -117,6 +118,8 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                 snapshots.append({n: p.detach().cpu().clone()
                                   for n, p in model.named_parameters()})
             result["full_state"] = None if zero.simulated else zero.full_state_dict()
+            result["masters"] = [None if f.master is None else f.master.cpu().clone()
+                                 for f in zero.flats]
         except Exception as e:  # noqa: BLE001 - under a fault anything may break; say what
             if fault is None:
                 raise
@@ -140,6 +143,48 @@ def rank_problems(ranks: list[dict[str, Any]]) -> list[str]:
         if not compare(got["snapshots"], ranks[0]["snapshots"]).bit_exact:
             problems.append(f"rank {r} holds other parameters than rank 0")
     return problems
+
+
+def mixed_reference(spec: Any, optimizer_class: type, kwargs: dict, steps: int, world: int,
+                    param_dtype: torch.dtype, reduce_dtype: torch.dtype | None = None,
+                    accumulation: int = 1) -> dict[str, Any]:
+    """What ``Zero2(param_dtype=..., reduce_dtype=...)`` on ``world`` ranks computes, in one
+    process and without sharding: a ``param_dtype`` model, fp32 masters of every trainable
+    parameter stepped by a standard optimizer, and each micro-batch's gradient the sum over
+    the ranks' shares (inputs cast to ``param_dtype``, as Zero2 casts them; each a
+    ``param_dtype`` backward) in ``reduce_dtype``, rank 0 first,
+    divided by ``world``, accumulated in ``reduce_dtype`` and converted to fp32 for the step.
+    Returns the parameters after every step and the final masters, flat."""
+    reduce_dtype = reduce_dtype or param_dtype
+    model = of(spec).build()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().clone() for p in trainable]
+    for p in trainable:
+        p.data = p.data.to(param_dtype)
+    opt = optimizer_class(masters, **kwargs)
+    snapshots = []
+    for i in range(steps):
+        total = [torch.zeros(p.numel(), dtype=reduce_dtype) for p in trainable]
+        for micro in range(accumulation):
+            summed = [torch.zeros(p.numel(), dtype=reduce_dtype) for p in trainable]
+            for rank in range(world):
+                x, y = local_batch(spec, i * accumulation + micro, rank, world, "cpu")
+                x = tree_map(lambda t: t.to(param_dtype) if t.is_floating_point() else t, x)
+                (of(spec).compute_loss(model, x, y) / accumulation).backward()
+                for s, p in zip(summed, trainable):
+                    s += p.grad.reshape(-1).to(reduce_dtype)
+                    p.grad = None
+            for t, s in zip(total, summed):
+                t += s / world
+        for m, t in zip(masters, total):
+            m.grad = t.to(m.dtype).view_as(m)
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for p, m in zip(trainable, masters):
+                p.copy_(m)
+        snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return {"snapshots": snapshots, "masters": torch.cat([m.reshape(-1) for m in masters])}
 
 
 class Lockstep:

@@ -186,6 +186,65 @@ def test_same_parameters_as_fsdp2(runs):
     assert result.ok, result.verdict()
 
 
+# -- mixed precision -----------------------------------------------------------------------------
+
+BF16 = {"param_dtype": torch.bfloat16}
+MIXED_CASES = [  # (optimizer, reduce_dtype, accumulation, fault)
+    ("sgd", None, 1, None), ("adam", None, 2, None), ("adam", torch.float32, 1, None),
+    ("sgd", None, 1, "collective_wrong_slice"), ("adam", None, 1, "fires_twice"),
+]
+
+
+@pytest.fixture(scope="module")
+def mixed_runs():
+    cases = [dict(spec=SPEC, optimizer_class=OPTIMIZERS[name][0], bucket_numel=50, steps=STEPS,
+                  kwargs={**OPTIMIZERS[name][1], **BF16, "reduce_dtype": reduce},
+                  accumulation=k, fault=fault)
+             for name, reduce, k, fault in MIXED_CASES]
+    return cases, launch.run(zero2_runs.trajectories, 2, cases, timeout=240)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("i", range(len(MIXED_CASES)),
+                         ids=[f"{n}-{r}-k{k}-{f}" for n, r, k, f in MIXED_CASES])
+def test_mixed_precision_is_its_single_process_reference_bit_for_bit(mixed_runs, i):
+    """bf16 parameters and gradients, fp32 masters of each rank's pieces: against one process
+    doing the same arithmetic (the ranks' shares as bf16 backwards, their gradients summed in
+    the reduction dtype, rank 0 first, divided by 2, fp32 masters stepped by a standard
+    optimizer). With 2 ranks the sum is one rounding whichever way it is done, so the
+    comparison is bit for bit, masters included; an injected fault must break it."""
+    cases, ranks = mixed_runs
+    case, (name, reduce, k, fault) = cases[i], MIXED_CASES[i]
+    got = [rank[i] for rank in ranks]
+    ref = zero2_runs.mixed_reference(SPEC, case["optimizer_class"], OPTIMIZERS[name][1],
+                                     STEPS, 2, torch.bfloat16, reduce, k)
+    problems = zero2_runs.rank_problems(got)
+    if fault is not None:
+        assert problems or not compare(got[0]["snapshots"], ref["snapshots"]).bit_exact
+        return
+    assert problems == []
+    assert all(v.dtype == torch.bfloat16 for v in got[0]["snapshots"][-1].values())
+    result = compare(got[0]["snapshots"], ref["snapshots"])
+    assert result.bit_exact, result.verdict()
+    masters = torch.cat([g["masters"][0] for g in got])[:ref["masters"].numel()]
+    assert masters.dtype == torch.float32 and torch.equal(masters, ref["masters"])
+    # And the masters are what bf16 training loses: not all of them are bf16 values.
+    assert not torch.equal(masters, masters.to(torch.bfloat16).float())
+
+
+def test_mixed_precision_memory_is_the_zero_papers():
+    """Rank 0 of 8 on ViT-B/16: bf16 parameters (2 Psi), fp32 masters and Adam's moments of
+    its pieces (12 Psi / N), as the paper counts optimizer state (K = 12)."""
+    kw = {"lr": 1e-3, "bucket_numel": BUCKET}
+    fp32 = measure(zoo_workload("vit_b_16"), "zero2", world_size=8, optimizer_kwargs=kw)
+    bf16 = measure(zoo_workload("vit_b_16"), "zero2", world_size=8,
+                   optimizer_kwargs={**kw, **BF16})
+    assert bf16.parameters * 2 == fp32.parameters
+    # The masters are 4 of the 12 bytes per element of the rank's optimizer state.
+    assert bf16.optimizer_state == pytest.approx(fp32.optimizer_state * 1.5, rel=1e-3)
+    assert bf16.peak < fp32.peak
+
+
 # -- memory per rank -----------------------------------------------------------------------------
 
 BUCKET = 2**22  # elements: 16 MiB of fp32 gradients
@@ -530,6 +589,14 @@ def test_misuse_is_refused():
             zero2.Zero2(model, torch.optim.SGD, [model[0].weight, model[0].weight], lr=0.1)
         assert not any(p._post_accumulate_grad_hooks for p in model.parameters()
                        if hasattr(p, "_post_accumulate_grad_hooks"))
+        dtype_misuse = [({"param_dtype": torch.float16}, "needs dynamic loss scaling"),
+                        ({"param_dtype": torch.int8}, "must be a floating torch.dtype"),
+                        ({"reduce_dtype": "bf16"}, "must be a floating torch.dtype"),
+                        ({"param_dtype": torch.float64}, "must be narrower")]
+        for options, words in dtype_misuse:
+            with pytest.raises(ValueError, match=words):
+                zero2.Zero2(model, torch.optim.SGD, lr=0.1, **options)
+            assert all(p.dtype == torch.float32 for p in model.parameters())  # left as it was
         with zero2.Zero2(model, torch.optim.Adam, lr=0.1) as zero:
             state = zero.state_dict()
             with pytest.raises(ValueError, match="does not fit"):
