@@ -5,7 +5,8 @@
     hookbench capture       capture a zoo model's activations and print a per-layer table
     hookbench coord-check   the muP coordinate check: width sweep, verdict, plot; exits 1 on FAIL
     hookbench zero2         ZeRO-2 demo: per-rank peak memory and parity; under torchrun
-                            (torchrun --nproc-per-node 2 -m hookbench.cli zero2) or spawning
+                            (torchrun --nproc-per-node 2 -m hookbench.cli zero2) or spawning;
+                            --simulate 1,8,64,1024: the ZeRO paper's memory table, executed
     hookbench record        record the upgrade gate's baseline (baselines/gate.json and the
                             checkpoint files in baselines/checkpoints/) on purpose
     hookbench gate          the installed torch against that baseline; exits 1 on a regression
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from hookbench import baselines, checks, gate, launch, plot, report, zero2_runs
+from hookbench import baselines, checks, gate, launch, plot, report, zero2_runs, zero_paper
 from hookbench.activation_capture import ActivationCapture
 from hookbench.coord_check import QUANTITIES, coord_check, ratios
 from hookbench.faults import FAULTS
@@ -189,10 +190,46 @@ def _zero2_demo(rank: int, world: int, spec: Workload, steps: int,
             "parity": compare(got["snapshots"], ref, zero2_runs.TOLERANCE)}
 
 
+def _zero_paper(args: argparse.Namespace) -> int:
+    worlds = tuple(sorted({int(w) for w in args.simulate.split(",")}))
+    if worlds[0] < 1:
+        raise ValueError(f"--simulate takes rank counts >= 1, got {args.simulate}")
+    out = _output_dir(args.out)
+    with torch.device("meta"):
+        psi = sum(p.numel() for p in zero_paper.GPT_7_5B.model().parameters())
+    _progress(f"one step of {zero_paper.GPT_7_5B.name} ({psi / 1e9:.3f} B parameters) as rank 0 "
+              f"of N = {', '.join(map(str, worlds))}, fake tensors ...")
+    rows = zero_paper.table(worlds)
+    print(f"The ZeRO paper's Table 1 by execution: {psi / 1e9:.3f} B parameters, bf16 "
+          f"parameters and gradients, fp32 masters and Adam (K = 12), rank 0 of N; model "
+          f"states (GB) when backward has ended")
+    print(f"{'N':>5}  {'stage':16}  {'params':>7}  {'grads':>7}  {'opt state':>9}  "
+          f"{'measured':>8}  {'paper':>7}  {'diff':>6}  {'activations':>11}")
+    for r in rows:
+        paper = (zero_paper.PAPER[1][0] if r.stage == 0 else
+                 zero_paper.PAPER[r.world][r.stage - 1] if r.world in zero_paper.PAPER else None)
+        formula = zero_paper.paper_bytes(r.stage, r.world) / 1e9
+        reference = paper if paper is not None else formula
+        print(f"{r.world if r.stage else 'any':>5}  "
+              f"{['data parallel', 'P_os (stage 1)', 'P_os+g (stage 2)'][r.stage]:16}  "
+              f"{r.parameters / 1e9:7.2f}  {r.gradients / 1e9:7.2f}  "
+              f"{r.optimizer_state / 1e9:9.2f}  {r.model_states / 1e9:8.2f}  "
+              f"{reference:7.2f}{'' if paper is not None else '*'} "
+              f"{r.model_states / 1e9 / reference - 1:+6.1%}  {r.activations_peak / 1e9:11.3f}")
+    print("* not in the paper's table: its formula (4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N)")
+    print(f"wrote {plot.zero_paper(rows, out / 'zero-paper.png')}")
+    far = [r for r in rows if abs(r.model_states / zero_paper.paper_bytes(r.stage, r.world) - 1)
+           > zero_paper.AGREEMENT]
+    return 1 if far else 0
+
+
 def _zero2(args: argparse.Namespace) -> int:
     import os
 
     import torch.distributed as dist
+
+    if args.simulate:
+        return _zero_paper(args)
 
     spec = zoo_workload(args.model, batch_size=2 * args.nproc)
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -451,6 +488,11 @@ def main(argv: list[str] | None = None) -> int:
     z2.add_argument("--model", choices=sorted(ZOO), default="transformer")
     z2.add_argument("--steps", type=int, default=3)
     z2.add_argument("--bucket-numel", type=int, default=2**20)
+    z2.add_argument("--simulate", metavar="N,N,...",
+                    help="instead: the ZeRO paper's memory table by executing one step of a "
+                         "7.5 B-parameter GPT as rank 0 of each N on fake tensors (e.g. "
+                         "1,8,64,1024; under a minute)")
+    z2.add_argument("--out", default="hookbench-out", help="folder for --simulate's figure")
     z2.set_defaults(run=_zero2)
 
     def baseline_options(command: argparse.ArgumentParser, models: tuple[str, ...]) -> None:

@@ -162,6 +162,9 @@ class MemoryResult:
     all_gradients: int  # every trainable parameter's gradient, as if all were alive
     gradients_alive_max: int  # the most gradient bytes alive at once in the measured step
     activations_peak: int
+    # Live bytes by category when the measured step's backward has ended, before the
+    # optimizer: the model states (parameters, gradients, optimizer state) the ZeRO paper counts.
+    after_backward: dict[str, int]
     # The least any implementation of this strategy could need: parameters and optimizer state
     # live throughout; the peak activations must coexist with them at the end of forward, and
     # the gradients the strategy needs at once (all of them for a standard step, one parameter's
@@ -281,6 +284,8 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         for t in (*params, *model.buffers()):  # buffers (BatchNorm statistics) count as model
             tracker.track(t, "parameters")
         refresh_gradients()
+        for t in started.held():
+            tracker.track(t, "gradients")
         for t in (*state_tensors(), *masters):
             tracker.track(t, "optimizer_state")
 
@@ -290,6 +295,8 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         alive = sum(tracker.rounded(p.grad.untyped_storage().nbytes())
                     for p in trainable if p.grad is not None)
         grads_alive[0] = max(grads_alive[0], alive + tracker.rounded(grad.nbytes))
+
+    after_backward: dict[str, int] = {}  # what is live when the last backward has ended
 
     def one_step(index: int) -> None:
         tracker.phase = "data"
@@ -302,6 +309,8 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         loss.backward()
         del loss
         classify()
+        after_backward.clear()
+        after_backward.update(zip(CATEGORIES, (tracker.totals[c] for c in CATEGORIES)))
         tracker.phase = "optimizer"
         started.step()
         classify()
@@ -347,6 +356,7 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         all_gradients=sum(rounded),
         gradients_alive_max=grads_alive[0],
         activations_peak=activations_peak,
+        after_backward=after_backward,
         floor=floor["parameters"] + floor["optimizer_state"]
         + max(floor["activations_peak"], floor["gradients_needed"]),
         floor_breakdown=floor,

@@ -193,6 +193,8 @@ class Started(NamedTuple):
     state_of: Callable[[torch.Tensor], dict]  # the optimizer state of a tensor in `optimized`
     close: Callable[[], None]  # remove hooks
     optimized: list[torch.Tensor]  # the tensors the optimizer steps (ZeRO-2: shard pieces)
+    # gradients the strategy holds outside any .grad (ZeRO-2: the shard's gradient buffers)
+    held: Callable[[], list[torch.Tensor]] = lambda: []
 
 
 def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
@@ -226,7 +228,8 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
         zero = Zero2(model, cls, **{"foreach": False, **kwargs})
         return Started(lambda: stepped(zero), lambda p: zero.optimizer.state.get(p, {}),
                        zero.remove,
-                       [piece for f in zero.flats for _, piece, _, _ in f.owned])
+                       [piece for f in zero.flats for _, piece, _, _ in f.owned],
+                       lambda: [f.grad for f in zero.flats if f.grad is not None])
     # The peer keeps its optimizers and hook handles in module-level maps and attributes.
     from torch.distributed.optim import apply_optimizer_in_backward as peer
 

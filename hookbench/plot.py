@@ -9,8 +9,9 @@ from typing import Sequence
 
 from hookbench.coord_check import QUANTITIES, CoordCheck
 from hookbench.memory import CATEGORIES, MemoryResult
+from hookbench.zero_paper import Row, paper_bytes
 
-__all__ = ["coord_check", "memory_timeline"]
+__all__ = ["coord_check", "memory_timeline", "zero_paper"]
 
 _COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
            "activations": "#c44e52", "temporaries": "#8172b3"}
@@ -87,3 +88,29 @@ def _save(fig, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     _pyplot().close(fig)
     return path
+
+
+def zero_paper(rows: Sequence[Row], path: str | Path) -> Path:
+    """Write a PNG of rank 0's model states against N, measured (points) and the paper's
+    formula (lines), per stage; returns its path."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.0, 4.0))
+    worlds = sorted({r.world for r in rows if r.stage})
+    dense = [2 ** (k / 4) for k in range(4 * max(worlds).bit_length() + 1)]
+    for stage, label, color in ((0, "data parallel", "#c44e52"), (1, "P_os (stage 1)", "#dd8452"),
+                                (2, "P_os+g (stage 2)", "#4c72b0")):
+        ax.plot(dense, [paper_bytes(stage, n) / 1e9 for n in dense], color=color, lw=1,
+                alpha=0.6)
+        measured = [r for r in rows if r.stage == stage]
+        # Data parallelism holds the same at every N: its one measurement, at each N.
+        xs = [1, *worlds] if stage == 0 else [r.world for r in measured]
+        ys = [r.model_states / 1e9 for r in measured] * (len(xs) if stage == 0 else 1)
+        ax.plot(xs, ys, "o", color=color, label=f"{label}, measured")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("data-parallel ranks N")
+    ax.set_ylabel("model states per rank (GB)")
+    ax.set_title("ZeRO, 7.5 B parameters, K = 12: measured on fake tensors (points), "
+                 "paper's formula (lines)", fontsize=8)
+    ax.legend(fontsize=7)
+    return _save(fig, path)

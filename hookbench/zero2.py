@@ -165,6 +165,9 @@ class Zero2:
             parameters' own dtype.
         reduce_dtype: the dtype gradients are reduced and the shard's gradient kept in
             (default: the parameters' dtype).
+        shard_gradients: False is ZeRO stage 1 (P_os): gradients are all-reduced and every
+            rank keeps the whole gradient, only the optimizer state is sharded; for comparing
+            memory with stage 2 (``hookbench.zero_paper``).
     """
 
     def __init__(
@@ -178,6 +181,7 @@ class Zero2:
         elementwise: bool = False,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        shard_gradients: bool = True,
         **defaults: Any,
     ) -> None:
         # Everything is validated (on every rank alike) before the model's parameters are
@@ -217,8 +221,11 @@ class Zero2:
         if param_dtype is not None and not all(d.itemsize > param_dtype.itemsize for d in own):
             raise ValueError(f"param_dtype {param_dtype} must be narrower than the parameters' "
                              f"{sorted(map(str, own))}, whose values become the masters")
+        if not isinstance(shard_gradients, bool):
+            raise TypeError(f"shard_gradients must be a bool, got {shard_gradients!r}")
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
+        self.shard_gradients = shard_gradients
         optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)  # validates options
         self.group = process_group
         self.world = dist.get_world_size(process_group)
@@ -231,7 +238,7 @@ class Zero2:
         self._collectives = not self.simulated or _C10D_HAS_META
         if not self.simulated:
             _check_same_on_every_rank(groups, self.names, optimizer_class, bucket_numel,
-                                      process_group, (param_dtype, reduce_dtype))
+                                      process_group, (param_dtype, reduce_dtype, shard_gradients))
         self.bucket_numel = bucket_numel
         self.flats = [_flatten(g["params"], self.world, self.rank, param_dtype) for g in groups]
         # Whether the shard's gradient is in another dtype than what the optimizer steps.
@@ -336,7 +343,13 @@ class Zero2:
                 continue  # converted a bucket at a time by step()
             for index, piece, offset, _ in flat.owned:
                 if self._got_grad.get((g, index)) and flat.grad is not None:
-                    piece.grad = flat.grad[offset:offset + piece.numel()]
+                    piece.grad = self._shard_grad(flat)[offset:offset + piece.numel()]
+
+    def _shard_grad(self, flat: _Flat) -> torch.Tensor | None:
+        """The gradient of this rank's shard (stage 1: its slice of the whole gradient)."""
+        if flat.grad is None or self.shard_gradients:
+            return flat.grad
+        return flat.grad[self.rank * flat.shard_numel:(self.rank + 1) * flat.shard_numel]
 
     def _new_grad(self, group: int, numel: int) -> torch.Tensor:
         buffer = self.flats[group].buffer
@@ -348,16 +361,20 @@ class Zero2:
         # The same fixed layout on every rank, so the reductions line up.
         if region.buffer is None:  # no member got a gradient on this rank
             region.buffer = self._new_grad(next(iter(region.slots))[0], region.numel)
-        if self._collectives:
+        if self._collectives and self.shard_gradients:
             reduce_to_owner(region.buffer, region.owner, self.group)  # faults can replace it
-        if region.owner == self.rank:
+        elif self._collectives:  # stage 1: every rank keeps the whole gradient
+            dist.all_reduce(region.buffer, group=self.group)
+        if region.owner == self.rank or not self.shard_gradients:
             region.buffer /= self.world
             for (group, _), pieces in region.slots.items():
                 flat = self.flats[group]
                 if flat.grad is None:
-                    flat.grad = self._new_grad(group, flat.shard_numel)
+                    flat.grad = self._new_grad(group, flat.shard_numel * (
+                        1 if self.shard_gradients else self.world))
+                base = 0 if self.shard_gradients else region.owner * flat.shard_numel
                 for position, start, end, offset in pieces:
-                    flat.grad[offset:offset + end - start] += region.buffer[
+                    flat.grad[base + offset:base + offset + end - start] += region.buffer[
                         position:position + end - start]
         region.buffer, region.arrived = None, set()
 
@@ -371,7 +388,7 @@ class Zero2:
         if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or max_norm <= 0:
             raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
         norm_type = float(norm_type)
-        grads = [f.grad for f in self.flats if f.grad is not None]
+        grads = [self._shard_grad(f) for f in self.flats if f.grad is not None]
         device = self.flats[0].buffer.device
         if norm_type == float("inf"):
             total = torch.stack([g.abs().max().float() for g in grads]).max() if grads else \
@@ -410,7 +427,8 @@ class Zero2:
             for chunk in chunks:
                 for index, piece, offset, _ in chunk:
                     if self._got_grad.get((group, index)) and flat.grad is not None:
-                        piece.grad = flat.grad[offset:offset + piece.numel()].to(piece.dtype)
+                        piece.grad = self._shard_grad(flat)[offset:offset + piece.numel()].to(
+                            piece.dtype)
                 self.optimizer.step()
                 for _, piece, _, _ in chunk:
                     piece.grad = None
@@ -529,12 +547,12 @@ def _refuse_reentrant_checkpoint(module: nn.Module, args: Any, output: Any) -> N
 
 def _check_same_on_every_rank(groups: list[dict[str, Any]], names: dict, optimizer_class: type,
                               bucket_numel: int, process_group: Any,
-                              dtypes: tuple[Any, Any] = (None, None)) -> None:
+                              options: tuple[Any, ...] = (None, None, True)) -> None:
     """Raise on every rank, naming the difference, unless every rank shards the same thing:
     otherwise the reductions would not line up and the ranks would hang or mix gradients."""
     mine = [f"optimizer {optimizer_class.__module__}.{optimizer_class.__qualname__}",
             f"bucket_numel {bucket_numel}", f"{len(groups)} param groups",
-            f"param_dtype {dtypes[0]}, reduce_dtype {dtypes[1]}"]
+            "param_dtype {}, reduce_dtype {}, shard_gradients {}".format(*options)]
     mine += [f"group {i}: '{names[p]}' {tuple(p.shape)} {p.dtype}"
              for i, g in enumerate(groups) for p in g["params"]]
     every: list[Any] = [None] * dist.get_world_size(process_group)

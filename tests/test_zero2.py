@@ -189,32 +189,35 @@ def test_same_parameters_as_fsdp2(runs):
 # -- mixed precision -----------------------------------------------------------------------------
 
 BF16 = {"param_dtype": torch.bfloat16}
-MIXED_CASES = [  # (optimizer, reduce_dtype, accumulation, fault)
-    ("sgd", None, 1, None), ("adam", None, 2, None), ("adam", torch.float32, 1, None),
-    ("sgd", None, 1, "collective_wrong_slice"), ("adam", None, 1, "fires_twice"),
+MIXED_CASES = [  # (optimizer, reduce_dtype, accumulation, fault, shard_gradients)
+    ("sgd", None, 1, None, True), ("adam", None, 2, None, True),
+    ("adam", torch.float32, 1, None, True), ("adam", None, 2, None, False),
+    ("sgd", None, 1, "collective_wrong_slice", True), ("adam", None, 1, "fires_twice", True),
 ]
 
 
 @pytest.fixture(scope="module")
 def mixed_runs():
     cases = [dict(spec=SPEC, optimizer_class=OPTIMIZERS[name][0], bucket_numel=50, steps=STEPS,
-                  kwargs={**OPTIMIZERS[name][1], **BF16, "reduce_dtype": reduce},
-                  accumulation=k, fault=fault)
-             for name, reduce, k, fault in MIXED_CASES]
+                  kwargs={**OPTIMIZERS[name][1], **BF16, "reduce_dtype": reduce,
+                          "shard_gradients": shard}, accumulation=k, fault=fault)
+             for name, reduce, k, fault, shard in MIXED_CASES]
     return cases, launch.run(zero2_runs.trajectories, 2, cases, timeout=240)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("i", range(len(MIXED_CASES)),
-                         ids=[f"{n}-{r}-k{k}-{f}" for n, r, k, f in MIXED_CASES])
+                         ids=[f"{n}-{r}-k{k}-{f}-{'stage2' if s else 'stage1'}"
+                              for n, r, k, f, s in MIXED_CASES])
 def test_mixed_precision_is_its_single_process_reference_bit_for_bit(mixed_runs, i):
     """bf16 parameters and gradients, fp32 masters of each rank's pieces: against one process
     doing the same arithmetic (the ranks' shares as bf16 backwards, their gradients summed in
     the reduction dtype, rank 0 first, divided by 2, fp32 masters stepped by a standard
     optimizer). With 2 ranks the sum is one rounding whichever way it is done, so the
-    comparison is bit for bit, masters included; an injected fault must break it."""
+    comparison is bit for bit, masters included; an injected fault must break it. Stage 1
+    (every rank keeps the whole gradient, all-reduced) computes the same."""
     cases, ranks = mixed_runs
-    case, (name, reduce, k, fault) = cases[i], MIXED_CASES[i]
+    case, (name, reduce, k, fault, _) = cases[i], MIXED_CASES[i]
     got = [rank[i] for rank in ranks]
     ref = zero2_runs.mixed_reference(SPEC, case["optimizer_class"], OPTIMIZERS[name][1],
                                      STEPS, 2, torch.bfloat16, reduce, k)
