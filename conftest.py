@@ -4,7 +4,7 @@ gates, benchmark ratios and the hook-leak guard. What a user's suite gets too (t
 
 Test tiers (markers are registered in pyproject.toml and enforced with --strict-markers):
 
-    pytest                              everything this machine can run (GPU tests skip), ~7.5 min
+    pytest                              everything this machine can run (GPU tests skip), ~8.5 min
     pytest -m "not slow"                the quick loop while developing
     pytest -m gpu                       the GPU tier; needs CUDA, each test skips with a reason
     pytest -m distributed               tests that spawn torch.distributed worker processes
