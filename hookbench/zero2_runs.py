@@ -235,20 +235,24 @@ def follow(rank: int, world: int, *args: Any) -> int:
 
 
 def fsdp2_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
-                     steps: int = 5) -> dict[str, torch.Tensor]:
+                     steps: int = 5, param_dtype: torch.dtype | None = None,
+                     reduce_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The peer: the same training with FSDP2 ``fully_shard(reshard_after_forward=False)``,
-    torch's own ZeRO-2 analogue, on the same group; the full parameters at the end."""
+    torch's own ZeRO-2 analogue, on the same group; the full parameters at the end. With
+    ``param_dtype``, under ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``: FSDP2 keeps the
+    sharded fp32 parameters as the masters, and those are returned."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     device = _device(rank)
     mesh = init_device_mesh(torch.device(device).type, (world,))
     spec = of(spec)
     model = spec.build().to(device)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in model.children():
         if any(p.requires_grad for p in layer.parameters()):
-            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     opt = optimizer_class(model.parameters(), **kwargs)
     for i in range(steps):
         x, y = local_batch(spec, i, rank, world, device)

@@ -235,6 +235,22 @@ def test_mixed_precision_is_its_single_process_reference_bit_for_bit(mixed_runs,
     assert not torch.equal(masters, masters.to(torch.bfloat16).float())
 
 
+@pytest.mark.distributed
+def test_mixed_precision_matches_fsdp2s_mixed_precision_policy(mixed_runs):
+    """The peer: FSDP2 under MixedPrecisionPolicy(param_dtype=bf16) keeps the sharded fp32
+    parameters as masters, computes in bf16, reduce-scatters bf16 gradients (on gloo, which
+    has no AVG, it divides by 2 around the sum: exact) and steps fp32: the same arithmetic as
+    Zero2's, so the masters are equal bit for bit after 5 SGD steps."""
+    cases, ranks = mixed_runs
+    i = next(i for i, c in enumerate(MIXED_CASES) if c == ("sgd", None, 1, None, True))
+    cls, kw = OPTIMIZERS["sgd"]
+    peer = launch.run(zero2_runs.fsdp2_trajectory, 2, SPEC, cls, kw, STEPS, torch.bfloat16,
+                      timeout=120)[0]
+    ours = torch.cat([rank[i]["masters"][0] for rank in ranks])
+    theirs = torch.cat([v.reshape(-1) for v in peer.values()])
+    assert torch.equal(ours[:theirs.numel()], theirs)
+
+
 def test_mixed_precision_memory_is_the_zero_papers():
     """Rank 0 of 8 on ViT-B/16: bf16 parameters (2 Psi), fp32 masters and Adam's moments of
     its pieces (12 Psi / N), as the paper counts optimizer state (K = 12)."""
