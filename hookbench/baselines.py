@@ -55,20 +55,34 @@ def environment() -> dict[str, str]:
             "python": platform.python_version(), "machine": platform.machine()}
 
 
-def fingerprint(snapshots: list[Snapshot]) -> dict[str, Any]:
+def fingerprint(snapshots: list[Snapshot], sample: int | None = None) -> dict[str, Any]:
     """A trajectory as stored: the SHA-256 of every entry of every step (names, dtypes, shapes
     and bytes) and the last step's parameters as numbers (exact: float32 round-trips through
-    JSON's float64)."""
+    JSON's float64). ``sample``: only that many evenly spaced elements of each parameter, and
+    its float64 L2 norm (``name#norm``), for models whose every value would make the baseline
+    as large as the model (a user's workload)."""
     digest = hashlib.sha256()
     for snapshot in snapshots:
         for key in sorted(snapshot):
             t = snapshot[key].detach().cpu().contiguous()
             digest.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
             digest.update(bytes(t.flatten().view(torch.uint8).tolist()))
+    last = {k: v for k, v in snapshots[-1].items() if "/" not in k}
+    if sample is not None:
+        last = _sampled(last, sample)
     final = {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
-                 "values": v.flatten().tolist()}
-             for k, v in snapshots[-1].items() if "/" not in k}
+                 "values": v.flatten().tolist()} for k, v in last.items()}
     return {"sha256": digest.hexdigest(), "final": final}
+
+
+def _sampled(parameters: Snapshot, n: int) -> Snapshot:
+    out = {}
+    for key, value in parameters.items():
+        flat = value.detach().cpu().flatten()
+        where = torch.linspace(0, max(flat.numel() - 1, 0), min(n, flat.numel())).round().long()
+        out[key] = flat[where]
+        out[f"{key}#norm"] = torch.linalg.vector_norm(flat.double()).reshape(1)
+    return out
 
 
 def final_parameters(stored: dict[str, Any]) -> Snapshot:

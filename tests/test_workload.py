@@ -275,6 +275,26 @@ def test_fp16_is_refused_by_the_optimizer_in_backward_and_must_stay_refused(monk
     assert "it must refuse" in accepted["problems"][0]
 
 
+def test_on_another_cpu_the_sampled_parameters_decide():
+    """A workload's row stores 64 evenly spaced elements of each parameter and its float64 norm,
+    not the model; where the bits differ (another CPU), those decide, within the row's own
+    tolerance: equal ones pass as CHANGED bits, one element off by 1e-3 fails."""
+    wide = _tiny(model=lambda: nn.Linear(300, 2),
+                 batch=lambda g: (torch.randn(4, 300, generator=g), torch.randn(4, 2, generator=g)))
+    now = workload_checks.trajectories(wide)["tiny/forloop"]
+    assert {k: len(v["values"]) for k, v in now["final"].items()} == {
+        "weight": 64, "weight#norm": 1, "bias": 2, "bias#norm": 1}
+    other_cpu = {**now, "sha256": "0" * 64}
+    (cells, ok), = gate._workloads_section({"tiny/forloop": other_cpu}, {"tiny/forloop": now},
+                                           " (another CPU)").rows
+    assert ok and cells[-1].startswith("CHANGED bits (another CPU); final parameters bit-exact")
+    off = json.loads(json.dumps(other_cpu))
+    off["final"]["weight"]["values"][7] += 1e-3
+    (cells, ok), = gate._workloads_section({"tiny/forloop": off}, {"tiny/forloop": now},
+                                           "").rows
+    assert not ok and "FAIL" in cells[-1] and "weight" in cells[-1]
+
+
 def test_the_gate_fails_a_changed_refusal_and_a_row_it_no_longer_measures():
     base = {"tiny/in_backward": {"refused": "RuntimeError: forward under float16 autocast"},
             "tiny/foreach": {"sha256": "0"}}
