@@ -164,7 +164,9 @@ class Zero2:
             optimizer steps fp32 masters of this rank's pieces. None: train in the
             parameters' own dtype.
         reduce_dtype: the dtype gradients are reduced and the shard's gradient kept in
-            (default: the parameters' dtype).
+            (default: the parameters' dtype). Where it is not the dtype the optimizer steps
+            in (mixed precision), the pieces get no ``.grad`` until ``step()``, so a
+            ``torch.amp.GradScaler`` has nothing to unscale: use bf16, which needs none.
         shard_gradients: False is ZeRO stage 1 (P_os): gradients are all-reduced and every
             rank keeps the whole gradient, only the optimizer state is sharded; for comparing
             memory with stage 2 (``hookbench.zero_paper``).
