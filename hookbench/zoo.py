@@ -71,7 +71,9 @@ class TinySpec:
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.kind == "mlp":
-            return F.mse_loss(output, target)
+            # In the target's dtype: a bf16 model's output (mixed-precision ZeRO-2) against an
+            # fp32 target, which torch < 2.5's mse_loss backward refuses; a no-op otherwise.
+            return F.mse_loss(output.to(target.dtype), target)
         return F.cross_entropy(output, target)
 
 

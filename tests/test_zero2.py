@@ -173,9 +173,12 @@ def test_injected_faults_are_caught(runs, fault):
     assert not result.ok, f"{fault} went unnoticed: {result.verdict()}"
 
 
-@pytest.mark.skipif(torch.__version__ < (2, 6), reason="FSDP2 (torch.distributed.fsdp."
-                    f"fully_shard) is public and runs on CPU from torch 2.6; this is "
-                    f"{torch.__version__}")
+NEEDS_FSDP2 = pytest.mark.skipif(
+    torch.__version__ < (2, 6), reason=f"FSDP2 (torch.distributed.fsdp.fully_shard) is public "
+                                       f"and runs on CPU from torch 2.6; this is {torch.__version__}")
+
+
+@NEEDS_FSDP2
 def test_same_parameters_as_fsdp2(runs):
     cls, kw = OPTIMIZERS["adam"]
     peer = launch.run(zero2_runs.fsdp2_trajectory, 2, SPEC, cls, kw, STEPS, timeout=120)[0]
@@ -235,17 +238,21 @@ def test_mixed_precision_is_its_single_process_reference_bit_for_bit(mixed_runs,
     assert not torch.equal(masters, masters.to(torch.bfloat16).float())
 
 
+@NEEDS_FSDP2
 @pytest.mark.distributed
 def test_mixed_precision_matches_fsdp2s_mixed_precision_policy(mixed_runs):
-    """The peer: FSDP2 under MixedPrecisionPolicy(param_dtype=bf16) keeps the sharded fp32
-    parameters as masters, computes in bf16, reduce-scatters bf16 gradients (on gloo, which
-    has no AVG, it divides by 2 around the sum: exact) and steps fp32: the same arithmetic as
-    Zero2's, so the masters are equal bit for bit after 5 SGD steps."""
+    """The peer: FSDP2 under MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) keeps
+    the sharded fp32 parameters as masters, computes in bf16, reduce-scatters fp32 gradients
+    and steps fp32: the same arithmetic as Zero2's, so the masters are equal bit for bit after
+    5 Adam steps (torch 2.14.1 and 2.15.0). With bf16 reduction they are equal on 2.14.1 too,
+    but not on 2.15.0 (up to 7.1e-5 with Adam, 3.9e-4 with SGD: its bf16 reduce-scatter on
+    gloo rounds differently), so the test reduces in fp32."""
     cases, ranks = mixed_runs
-    i = next(i for i, c in enumerate(MIXED_CASES) if c == ("sgd", None, 1, None, True))
-    cls, kw = OPTIMIZERS["sgd"]
+    i = next(i for i, c in enumerate(MIXED_CASES)
+             if c == ("adam", torch.float32, 1, None, True))
+    cls, kw = OPTIMIZERS["adam"]
     peer = launch.run(zero2_runs.fsdp2_trajectory, 2, SPEC, cls, kw, STEPS, torch.bfloat16,
-                      timeout=120)[0]
+                      torch.float32, timeout=120)[0]
     ours = torch.cat([rank[i]["masters"][0] for rank in ranks])
     theirs = torch.cat([v.reshape(-1) for v in peer.values()])
     assert torch.equal(ours[:theirs.numel()], theirs)
