@@ -420,8 +420,8 @@ class Zero2:
             # once, as in one step() over all of them.
             chunks: list[list] = [[]]
             numel = 0
-            for owned in flat.owned:
-                if numel >= self.bucket_numel:
+            for owned in flat.owned:  # at most a bucket, or one piece larger than a bucket
+                if chunks[-1] and numel + owned[1].numel() > self.bucket_numel:
                     chunks.append([])
                     numel = 0
                 chunks[-1].append(owned)

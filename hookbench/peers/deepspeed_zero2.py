@@ -1,4 +1,5 @@
-"""DeepSpeed ZeRO stage 2 as a peer of hookbench's ZeRO-2 (``hookbench.zero2.Zero2``), fp32.
+"""DeepSpeed ZeRO stage 2 as a peer of hookbench's ZeRO-2 (``hookbench.zero2.Zero2``), in fp32
+and in bf16 mixed precision.
 
 What ``hookbench.zero2`` re-implements is DeepSpeed's own design (flat buffers cut into N
 pieces, per-parameter post-accumulate-grad hooks filling buckets, each rank keeping its slice,
@@ -13,11 +14,31 @@ torch.distributed initialised and wraps it), with ``DS_ACCELERATOR=cpu``, stage 
 ``allgather_bucket_size`` from ``bucket_numel``, a client torch optimizer
 (``zero_allow_untested_optimizer``) and DeepSpeed's own gradient accumulation.
 
+Mixed precision: ``kwargs`` holds Zero2's ``param_dtype=torch.bfloat16`` (and ``reduce_dtype``),
+as for ``zero2_runs.trajectory``; on DeepSpeed's side they become its config (``config``):
+``"bf16": {"enabled": true}`` (``deepspeed.initialize`` casts the parameters to bf16, flattens
+them into one bf16 buffer, and keeps an fp32 copy of this rank's partition that the client
+optimizer steps, rounded into the bf16 partition before the all-gather), with
+``communication_data_type`` (the reduction's dtype) and ``data_types.grad_accum_dtype`` (the
+partition's gradient) both set to Zero2's ``reduce_dtype`` (default bf16). Two things Zero2
+does that DeepSpeed does not are done here on its side:
+
+* its fp32 partition is copied from the bf16 parameters (``weights_partition = bf16
+  partition.clone().to(fp32)``), so its masters start at the bf16-rounded values; Zero2's
+  start at the original fp32 values. ``masters="original"`` (the default) sets them to those
+  with DeepSpeed's own ``deepspeed.utils.safe_set_full_fp32_param`` after
+  ``deepspeed.initialize``; ``masters="bf16"`` leaves DeepSpeed's;
+* DeepSpeed's engine does not cast the inputs; a forward pre-hook casts the model's floating
+  inputs to bf16, as Zero2's does (``hookbench.zero2._cast_inputs``).
+
     trajectory          DeepSpeed: the full parameters after every optimizer step
     zero2_trajectory    hookbench's Zero2 on the same terms, with optional global-norm clipping
     peer_cases          both of them (and faults) for many cases from one start of the ranks
     differences         the parity check: where two trajectories are not equal (or not close)
+    master_differences  where two mixed-precision trajectories' fp32 masters are not equal
     rank_memory         one step's per-rank peak by category, for both, on real CPU tensors
+    memory_cases        rank_memory for several cases from one start of the ranks
+    bf16_valued         a workload whose initial fp32 values are bf16 values (masters agree)
     step_times          the time of one step of each, interleaved, on the same ranks
 
 Needs the ``peers`` extra (``pip install -e '.[peers]'``, i.e. deepspeed); without it, every
@@ -28,6 +49,7 @@ without deepspeed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from typing import Any
@@ -41,10 +63,11 @@ from hookbench.memory import StorageTracker
 from hookbench.parity import Tolerance, compare
 from hookbench.prerequisites import MissingPrerequisite
 from hookbench.workload import of
-from hookbench.zero2 import Zero2
+from hookbench.zero2 import Zero2, _cast_inputs
 
-__all__ = ["MISSING", "config", "differences", "engine", "peer_cases", "rank_memory",
-           "step_times", "trajectory", "zero2_trajectory"]
+__all__ = ["MISSING", "bf16_valued", "config", "differences", "engine", "master_differences",
+           "memory_cases", "peer_cases", "rank_memory", "step_times", "trajectory",
+           "zero2_trajectory"]
 
 MISSING = "deepspeed is not installed (pip install deepspeed; the peers extra)"
 
@@ -81,10 +104,35 @@ def _deepspeed() -> Any:
     return deepspeed
 
 
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+
+
+def _precision(kwargs: dict) -> tuple[dict, torch.dtype | None, torch.dtype | None]:
+    """Zero2's precision options split off ``kwargs``: (the optimizer's options, param_dtype,
+    reduce_dtype), both None in fp32; reduce_dtype defaults to param_dtype, as in Zero2."""
+    kwargs = dict(kwargs)
+    param_dtype, reduce_dtype = kwargs.pop("param_dtype", None), kwargs.pop("reduce_dtype", None)
+    if kwargs.pop("shard_gradients", True) is not True:
+        raise ValueError("the DeepSpeed peer compares ZeRO stage 2 (shard_gradients=True) only")
+    if param_dtype == torch.float32:
+        param_dtype = None
+    if param_dtype not in (None, torch.bfloat16):
+        raise ValueError(f"the DeepSpeed peer compares fp32 or bf16 parameters, not "
+                         f"{param_dtype}: fp16 needs loss scaling, which Zero2 does not do")
+    if reduce_dtype not in (None, *_DTYPE_NAMES) or (param_dtype is None
+                                                     and reduce_dtype not in (None, torch.float32)):
+        raise ValueError(f"reduce_dtype {reduce_dtype} with param_dtype {param_dtype}: the peer "
+                         f"reduces bf16 parameters' gradients in bf16 or fp32, fp32 ones' in fp32")
+    return kwargs, param_dtype, None if param_dtype is None else reduce_dtype or param_dtype
+
+
 def config(micro_batch: int, bucket_numel: int, accumulation: int = 1,
-           clipping: float = 0.0) -> dict[str, Any]:
-    """The DeepSpeed config of the peer: stage 2, fp32, everything that matters stated."""
-    return {
+           clipping: float = 0.0, param_dtype: torch.dtype | None = None,
+           reduce_dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """The DeepSpeed config of the peer: stage 2, everything that matters stated. fp32, or with
+    ``param_dtype=torch.bfloat16`` DeepSpeed's bf16 mode, reducing gradients and keeping the
+    partition's gradient in ``reduce_dtype`` (default bf16, as Zero2)."""
+    cfg = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": accumulation,
         "gradient_clipping": float(clipping),  # DeepSpeed's default is 1.0
@@ -97,24 +145,73 @@ def config(micro_batch: int, bucket_numel: int, accumulation: int = 1,
             "allgather_bucket_size": int(bucket_numel),
             "contiguous_gradients": True,
             "overlap_comm": False,
-            "reduce_scatter": True,
+            "reduce_scatter": True,  # each piece reduced to its owner (dist.reduce), as Zero2
+            # Zero2's flat layout: the parameters in registration order, nothing between them
+            # (DeepSpeed pads only the end, to a multiple of 2N), so the ranks own the same
+            # elements as Zero2's (up to that padding) and the masters compare rank by rank.
+            "round_robin_gradients": False,
+            "parameter_alignment": False,
         },
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if param_dtype is not None:
+        if param_dtype != torch.bfloat16:
+            raise ValueError(f"param_dtype must be torch.bfloat16 or None, got {param_dtype}")
+        reduce = _DTYPE_NAMES[reduce_dtype or param_dtype]
+        cfg["bf16"] = {"enabled": True}
+        # The dtype of the reduction (DeepSpeed's default in bf16 mode: bf16). Each bucket is
+        # divided by N in bf16 (exact for N = 2) and then converted to it.
+        cfg["communication_data_type"] = reduce
+        # The dtype of the partition's gradient. bf16 (its default): the reduced gradient is
+        # copied into the bf16 grads_in_partition, micro-batches summed in bf16. fp32: each
+        # reduced piece is added into an fp32 partition buffer (without it an fp32 reduction
+        # would be rounded back to bf16 in the bucket); Zero2's reduce_dtype is both at once.
+        cfg["data_types"] = {"grad_accum_dtype": reduce}
+    return cfg
 
 
-def engine(spec: Any, optimizer_class: type, kwargs: dict, bucket_numel: int,
-           accumulation: int = 1, clipping: float = 0.0) -> Any:
-    """A DeepSpeed engine training a fresh model of ``spec`` on this rank (a collective)."""
+def _build(spec: Any, optimizer_class: type, kwargs: dict, bucket_numel: int,
+           accumulation: int = 1, clipping: float = 0.0) -> tuple[Any, dict | None]:
+    """A DeepSpeed engine on this rank (a collective), with its own fp32 masters; and, in
+    mixed precision, the model's original fp32 values by name (None in fp32)."""
     deepspeed = _deepspeed()
     spec = _fp32(spec)
+    kwargs, param_dtype, reduce_dtype = _precision(kwargs)
     model = spec.build()
+    original = None if param_dtype is None else {n: p.detach().clone()
+                                                 for n, p in model.named_parameters()}
     optimizer = optimizer_class(model.parameters(), **kwargs)
     world = dist.get_world_size()
     ds, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer,
-        config=config(spec.batch_size // world, bucket_numel, accumulation, clipping))
+        config=config(spec.batch_size // world, bucket_numel, accumulation, clipping,
+                      param_dtype, reduce_dtype))
+    if param_dtype is not None:  # DeepSpeed does not cast inputs; Zero2 does, with this hook
+        ds.module.register_forward_pre_hook(functools.partial(_cast_inputs, param_dtype),
+                                            with_kwargs=True)
+    return ds, original
+
+
+def _set_masters(ds: Any, original: dict[str, torch.Tensor]) -> None:
+    """DeepSpeed's fp32 masters set to the model's original fp32 values, as Zero2 takes them:
+    each rank writes its own fragment of each parameter (no communication)."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for name, p in ds.module.named_parameters():
+        safe_set_full_fp32_param(p, original[name])
+
+
+def engine(spec: Any, optimizer_class: type, kwargs: dict, bucket_numel: int,
+           accumulation: int = 1, clipping: float = 0.0, masters: str = "original") -> Any:
+    """A DeepSpeed engine training a fresh model of ``spec`` on this rank (a collective).
+    Mixed precision (``kwargs`` with ``param_dtype``): ``masters="original"`` sets its fp32
+    masters to the original fp32 values, as Zero2's; ``"bf16"`` keeps DeepSpeed's own."""
+    if masters not in ("original", "bf16"):
+        raise ValueError(f"masters must be 'original' or 'bf16', got {masters!r}")
+    ds, original = _build(spec, optimizer_class, kwargs, bucket_numel, accumulation, clipping)
+    if original is not None and masters == "original":
+        _set_masters(ds, original)
     return ds
 
 
@@ -122,21 +219,61 @@ def _fp32(spec: Any) -> Any:
     spec = of(spec)
     if spec.precision != "fp32":
         raise ValueError(f"workload {spec.name!r} is {spec.precision}: the DeepSpeed peer "
-                         f"compares fp32 training only")
+                         f"trains fp32 models (bf16 mixed precision through kwargs' "
+                         f"param_dtype, as Zero2), not autocast")
     return spec
+
+
+def _own(flat: torch.Tensor, shard: int, rank: int, numel: int) -> tuple[int, torch.Tensor]:
+    """(start in the flat buffer, a copy of the real elements) of this rank's partition
+    ``flat`` of ``shard`` elements, of a buffer whose first ``numel`` are parameters."""
+    start = rank * shard
+    return start, flat[:max(0, min(shard, numel - start))].detach().cpu().clone()
+
+
+def _deepspeed_masters(ds: Any, rank: int) -> list[tuple[int, torch.Tensor]]:
+    zero = ds.optimizer
+    return [_own(fp32, size, rank, sum(p.numel() for p in group))
+            for fp32, size, group in zip(zero.single_partition_of_fp32_groups,
+                                         zero.partition_size, zero.bit16_groups)]
+
+
+def _zero2_masters(zero: Zero2, rank: int) -> list[tuple[int, torch.Tensor]]:
+    return [_own(f.master, f.shard_numel, rank, sum(p.numel() for p in f.params))
+            for f in zero.flats]
 
 
 def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
                bucket_numel: int, steps: int = 5, accumulation: int = 1,
-               clipping: float = 0.0) -> dict[str, Any]:
+               clipping: float = 0.0, masters: str = "original") -> dict[str, Any]:
     """Train ``spec`` with DeepSpeed ZeRO-2 on this rank's share of each global batch, as
-    ``hookbench.zero2_runs.trajectory`` trains it with Zero2: ``{"snapshots": [the full fp32
+    ``hookbench.zero2_runs.trajectory`` trains it with Zero2: ``{"snapshots": [the full
     parameters after every step, by model.named_parameters() name]}``; also the global gradient
-    norm DeepSpeed saw at each step."""
+    norm DeepSpeed saw at each step. In mixed precision also ``"masters"``: this rank's fp32
+    partition after every step, per param group as (start in the flat buffer, the real
+    elements), and ``"initial_masters"`` before the first step; and
+    ``"deepspeed_initial_masters"``, DeepSpeed's own before ``masters="original"`` set them,
+    and ``"deepspeed_dtypes"``: its parameters', masters', reduction's and partition gradient's
+    dtypes, as its optimizer holds them."""
+    if masters not in ("original", "bf16"):
+        raise ValueError(f"masters must be 'original' or 'bf16', got {masters!r}")
     spec = _fp32(spec)
-    ds = engine(spec, optimizer_class, kwargs, bucket_numel, accumulation, clipping)
+    ds, original = _build(spec, optimizer_class, kwargs, bucket_numel, accumulation, clipping)
     snapshots, norms = [], []
+    result: dict[str, Any] = {"snapshots": snapshots, "grad_norms": norms}
     try:
+        if original is not None:
+            zero = ds.optimizer
+            result["deepspeed_dtypes"] = {  # what the config made of it
+                "parameters": {p.dtype for p in ds.module.parameters()},
+                "masters": {t.dtype for t in zero.single_partition_of_fp32_groups},
+                "communication": zero.communication_data_type,
+                "gradient_accumulation": zero.gradient_accumulation_dtype}
+            result["deepspeed_initial_masters"] = _deepspeed_masters(ds, rank)
+            if masters == "original":
+                _set_masters(ds, original)
+            result["initial_masters"] = _deepspeed_masters(ds, rank)
+            result["masters"] = []
         for i in range(steps):
             for micro in range(accumulation):
                 x, y = zero2_runs.local_batch(spec, i * accumulation + micro, rank, world, "cpu")
@@ -150,17 +287,22 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
             norms.append(None if norm is None else float(norm))
             snapshots.append({n: p.detach().cpu().clone()
                               for n, p in ds.module.named_parameters()})
+            if original is not None:
+                result["masters"].append(_deepspeed_masters(ds, rank))
     finally:
         ds.destroy()
-    return {"snapshots": snapshots, "grad_norms": norms}
+    return result
 
 
 def zero2_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
                      bucket_numel: int, steps: int = 5, accumulation: int = 1,
                      clipping: float = 0.0, fault: str | None = None) -> dict[str, Any]:
-    """hookbench's side: ``zero2_runs.trajectory`` where ``clipping`` is 0; otherwise the same
-    loop with ``Zero2.clip_grad_norm_(clipping)`` before each step."""
-    if not clipping:
+    """hookbench's side: ``zero2_runs.trajectory`` in fp32 without clipping; otherwise the same
+    loop with ``Zero2.clip_grad_norm_(clipping)`` before each step (where ``clipping``), and in
+    mixed precision (``kwargs`` with ``param_dtype``) this rank's fp32 masters after every
+    step as ``trajectory`` returns DeepSpeed's (``"masters"``, ``"initial_masters"``)."""
+    mixed = _precision(kwargs)[1] is not None
+    if not clipping and not mixed:
         return zero2_runs.trajectory(rank, world, spec, optimizer_class, kwargs, bucket_numel,
                                      steps, accumulation, fault)
     spec = _fp32(spec)
@@ -168,17 +310,23 @@ def zero2_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kw
     result: dict[str, Any] = {"snapshots": [], "grad_norms": [], "error": None}
     with inject(fault), Zero2(model, optimizer_class, bucket_numel=bucket_numel,
                               **kwargs) as zero:
+        if mixed:
+            result["initial_masters"] = _zero2_masters(zero, rank)
+            result["masters"] = []
         try:
             for i in range(steps):
                 for micro in range(accumulation):
                     x, y = zero2_runs.local_batch(spec, i * accumulation + micro, rank, world,
                                                   "cpu")
                     (spec.compute_loss(model, x, y) / accumulation).backward()
-                result["grad_norms"].append(float(zero.clip_grad_norm_(clipping)))
+                if clipping:
+                    result["grad_norms"].append(float(zero.clip_grad_norm_(clipping)))
                 zero.step()
                 zero.zero_grad()
                 result["snapshots"].append({n: p.detach().cpu().clone()
                                             for n, p in model.named_parameters()})
+                if mixed:
+                    result["masters"].append(_zero2_masters(zero, rank))
         except Exception as e:  # noqa: BLE001 - under a fault anything may break; say what
             if fault is None:
                 raise
@@ -187,18 +335,36 @@ def zero2_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kw
 
 
 def peer_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For each case (``trajectory`` keyword arguments, plus ``fault`` for hookbench's side):
-    ``{"hookbench": zero2_trajectory(...), "deepspeed": trajectory(...)}`` on this rank. A
-    case with a fault has no DeepSpeed side: compare it with the same case without one."""
+    """For each case (``trajectory`` keyword arguments, plus ``fault`` for hookbench's side;
+    ``masters`` is DeepSpeed's only): ``{"hookbench": zero2_trajectory(...), "deepspeed":
+    trajectory(...)}`` on this rank. A case with a fault has no DeepSpeed side: compare it
+    with the same case without one."""
     out = []
     for case in cases:
         case = dict(case)
-        fault = case.pop("fault", None)
+        fault, masters = case.pop("fault", None), case.pop("masters", "original")
         got = {"hookbench": zero2_trajectory(rank, world, fault=fault, **case)}
         if fault is None:
-            got["deepspeed"] = trajectory(rank, world, **case)
+            got["deepspeed"] = trajectory(rank, world, masters=masters, **case)
         out.append(got)
     return out
+
+
+def _round_to_bf16(model_fn: Any) -> torch.nn.Module:
+    model = model_fn()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    return model
+
+
+def bf16_valued(spec: Any) -> Any:
+    """``spec`` as a workload whose model's initial fp32 values are bf16 values (each rounded
+    to bf16, and back): masters taken from the original values and masters taken from the
+    bf16 parameters (DeepSpeed's) are then the same."""
+    spec = of(spec)
+    return spec.replace(name=f"{spec.name}-bf16-valued",
+                        model=functools.partial(_round_to_bf16, spec.model))
 
 
 def differences(ours: dict[str, Any], theirs: dict[str, Any],
@@ -206,7 +372,9 @@ def differences(ours: dict[str, Any], theirs: dict[str, Any],
     """The parity check: what differs between two trajectories (``{"snapshots": [...]}``,
     hookbench's first): an error hookbench's side returned, a different number of steps or
     set of parameters, and every (step, parameter) whose tensors are not ``torch.equal``, or,
-    with ``tolerance``, the first outside it (``hookbench.parity.compare``). Empty: equal."""
+    with ``tolerance``, the first outside it (``hookbench.parity.compare``). Where either holds
+    ``"initial_masters"`` (mixed precision, on one rank), also ``master_differences``: the
+    fp32 masters are compared bit for bit, with or without ``tolerance``. Empty: equal."""
     problems = [f"hookbench: {ours['error']}"] if ours.get("error") else []
     a, b = ours["snapshots"], theirs["snapshots"]
     if not b or len(a) != len(b):
@@ -216,12 +384,43 @@ def differences(ours: dict[str, Any], theirs: dict[str, Any],
             problems.append(f"step {step}: parameters {list(x)} against {list(y)}")
         elif tolerance is None:
             problems += [f"step {step}, {name}: max |diff| "
-                         f"{(x[name] - y[name]).abs().max().item():.3g}"
+                         f"{(x[name].double() - y[name].double()).abs().max().item():.3g}"
                          for name in x if not torch.equal(x[name], y[name])]
     if tolerance is not None and not problems:
         result = compare(a, b, tolerance)
         if not result.ok:
             problems.append(result.verdict())
+    if "initial_masters" in ours or "initial_masters" in theirs:  # (zero2_runs' fp32 "masters"
+        problems += master_differences(ours, theirs)               # is [None]: not these)
+    return problems
+
+
+def master_differences(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """Where this rank's fp32 masters differ (hookbench's first; ``"initial_masters"`` and
+    ``"masters"`` as ``trajectory`` and ``zero2_trajectory`` return them), bit for bit: before
+    the first step and after each, the same elements of the flat buffer on both sides."""
+    if "initial_masters" not in ours or "initial_masters" not in theirs:
+        return [f"masters from {'hookbench' if 'initial_masters' in ours else 'DeepSpeed'} "
+                f"only"]
+    problems = []
+    a = [ours["initial_masters"], *ours["masters"]]
+    b = [theirs["initial_masters"], *theirs["masters"]]
+    if len(a) != len(b):
+        problems.append(f"masters at {len(a)} steps against {len(b)}")
+    for step, (x, y) in enumerate(zip(a, b)):
+        when = "initially" if step == 0 else f"after step {step - 1}"
+        if len(x) != len(y):
+            problems.append(f"masters {when}: {len(x)} param groups against {len(y)}")
+        for group, ((s, m), (t, n)) in enumerate(zip(x, y)):
+            if (s, m.shape, m.dtype) != (t, n.shape, n.dtype):
+                problems.append(f"masters {when}, group {group}: elements from {s}, "
+                                f"{tuple(m.shape)} {m.dtype} against from {t}, "
+                                f"{tuple(n.shape)} {n.dtype}")
+            elif not torch.equal(m, n):
+                where = (m != n).nonzero().flatten()
+                problems.append(f"masters {when}, group {group}: {len(where)} of {m.numel()} "
+                                f"differ, max |diff| {(m - n).abs().max().item():.3g}, first at "
+                                f"flat element {s + int(where[0])}")
     return problems
 
 
@@ -230,9 +429,12 @@ def differences(ours: dict[str, Any], theirs: dict[str, Any],
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     """The tensors in an attribute of DeepSpeed's optimizer: a tensor, or lists and dicts of
-    them (``averaged_gradients`` is a dict of lists)."""
+    them (``averaged_gradients`` is a dict of lists, or with an fp32 ``grad_accum_dtype`` of
+    ``GradPartitionBufferGroup``, whose ``flat_partition`` holds the gradient)."""
     if torch.is_tensor(value):
         return [value]
+    if torch.is_tensor(getattr(value, "flat_partition", None)):
+        return [value.flat_partition]
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (list, tuple)):
@@ -240,12 +442,24 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return []
 
 
+class _Tracker(StorageTracker):
+    """``hookbench.memory``'s tracker, except that a meta tensor is not counted: it has a size
+    but no memory. DeepSpeed keeps one per parameter (``round_robin_bit16_meta``, for the
+    shapes, from ``torch.zeros_like(param, device="meta")``), which the tracker would otherwise
+    count as a parameter-sized temporary (12 MB of phantom memory on the 3M MLP in fp32)."""
+
+    def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
+        if tensor.device.type != "meta":
+            super().track(tensor, category)
+
+
 def _deepspeed_memory(spec: Any, optimizer_class: type, kwargs: dict, bucket_numel: int,
                       warmup: int, round_to: int) -> dict[str, Any]:
     """One DeepSpeed step measured as ``hookbench.memory.measure`` measures one of hookbench's
-    strategies: ``StorageTracker`` on real CPU tensors, ``warmup`` steps, then the peak of one
-    step by category. The tracker is on before ``deepspeed.initialize``, so that what the
-    engine allocates there (its flat parameter buffer, the fp32 partition) is seen.
+    strategies: ``StorageTracker`` on real CPU tensors (meta tensors not counted: ``_Tracker``),
+    ``warmup`` steps, then the peak of one step by category. The tracker is on before
+    ``deepspeed.initialize``, so that what the engine allocates there (its flat parameter
+    buffer, the fp32 partition) is seen.
 
     Categories, assigned as in ``hookbench.memory``: parameters (the model's parameters: views
     of DeepSpeed's flat buffer, counted once), gradients (``param.grad`` of the model, the
@@ -254,26 +468,34 @@ def _deepspeed_memory(spec: Any, optimizer_class: type, kwargs: dict, bucket_num
     that it steps: the ZeRO paper counts that master copy as optimizer state; its size is also
     returned alone as ``fp32_partition``), activations (allocated in forward), temporaries
     (allocated in backward or the step and in none of those: the reduction buckets, the
-    flattened gradient partition built for the step, the all-gather's buffers).
+    flattened gradient partition built for the step, the all-gather's buffers). Mixed
+    precision (``kwargs`` with ``param_dtype``): DeepSpeed's bf16 mode (``config``), inputs
+    cast as Zero2 casts them; the parameters are then bf16, the fp32 partition the masters.
     """
     deepspeed = _deepspeed()
     spec = _fp32(spec)
+    kwargs, param_dtype, reduce_dtype = _precision(kwargs)
     world, rank = dist.get_world_size(), dist.get_rank()
     model = spec.build()
-    tracker = StorageTracker(round_to)
+    tracker = _Tracker(round_to)
     with contextlib.ExitStack() as stack:
         stack.enter_context(tracker)
         optimizer = optimizer_class(model.parameters(), **kwargs)
         ds, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                      config=config(spec.batch_size // world, bucket_numel))
+                                      config=config(spec.batch_size // world, bucket_numel,
+                                                    param_dtype=param_dtype,
+                                                    reduce_dtype=reduce_dtype))
         stack.callback(ds.destroy)
+        if param_dtype is not None:  # as _build: the inputs cast as Zero2 casts them
+            ds.module.register_forward_pre_hook(functools.partial(_cast_inputs, param_dtype),
+                                                with_kwargs=True)
         zero = ds.optimizer  # DeepSpeedZeroOptimizer, wrapping the client optimizer
         params = list(ds.module.parameters())
 
         def gradient_tensors() -> list[torch.Tensor]:
             out = [p.grad for p in params if p.grad is not None]
             out += [g.grad for g in zero.single_partition_of_fp32_groups if g.grad is not None]
-            for name in ("grads_in_partition", "averaged_gradients"):
+            for name in ("grads_in_partition", "averaged_gradients", "all_grad_tensors"):
                 out += _tensors(getattr(zero, name, None))
             return out
 
@@ -340,6 +562,16 @@ def rank_memory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs:
     return {"hookbench": {"peak": ours.peak, "breakdown": ours.peak_breakdown,
                           "peak_phase": ours.peak_phase},
             "deepspeed": theirs}
+
+
+def memory_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rank_memory`` for each case (its keyword arguments) on this rank: one start of the
+    ranks for several measurements."""
+    out = []
+    for case in cases:
+        dist.barrier()
+        out.append(rank_memory(rank, world, **case))
+    return out
 
 
 # -- time ----------------------------------------------------------------------------------------
