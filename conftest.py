@@ -32,6 +32,10 @@ from hypothesis import HealthCheck, Phase, settings
 
 from hookbench.leak_guard import HookLeakGuard, HookTracker
 
+# The plugin is an entry point where hookbench is installed; this loads it from a plain
+# checkout too (tox's other torch releases run one). The same name: pytest loads it once.
+pytest_plugins = ["hookbench.pytest_plugin"]
+
 # Each example trains small models for a few steps (tens of ms), so no per-example deadline:
 # a slow CI core must not turn into a flaky failure. Derandomized in CI so that a run passes the
 # same way every time.
