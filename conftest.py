@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import random
+from importlib.metadata import entry_points
 
 import pytest
 import torch
@@ -32,9 +33,11 @@ from hypothesis import HealthCheck, Phase, settings
 
 from hookbench.leak_guard import HookLeakGuard, HookTracker
 
-# The plugin is an entry point where hookbench is installed; this loads it from a plain
-# checkout too (tox's other torch releases run one). The same name: pytest loads it once.
-pytest_plugins = ["hookbench.pytest_plugin"]
+# The plugin is an entry point where hookbench is installed; a plain checkout (another torch
+# release run from the tree) loads it from here, and only then: an installed copy registered
+# under another name would otherwise be loaded twice.
+if not any(ep.value == "hookbench.pytest_plugin" for ep in entry_points(group="pytest11")):
+    pytest_plugins = ["hookbench.pytest_plugin"]
 
 # Each example trains small models for a few steps (tens of ms), so no per-example deadline:
 # a slow CI core must not turn into a flaky failure. Derandomized in CI so that a run passes the

@@ -25,8 +25,8 @@ from hookbench.zero2 import Zero2
 from hookbench.zoo import TinySpec
 
 __all__ = ["PARITY_OPTIMIZERS", "PARITY_SPEC", "TOLERANCE", "Lockstep", "follow",
-           "fsdp2_trajectory", "local_batch", "mixed_reference", "parity_cases", "rank_memory",
-           "rank_problems", "trajectories", "trajectory"]
+           "fsdp2_trajectory", "local_batch", "mixed_reference", "own_masters", "own_part",
+           "parity_cases", "rank_memory", "rank_problems", "trajectories", "trajectory"]
 
 # Against single-process training on the global batch: the reduction sums the ranks' mean
 # gradients and divides by N, where the reference takes one mean over the global batch, a
@@ -75,26 +75,34 @@ def _device(rank: int) -> str:
 def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
                bucket_numel: int, steps: int = 5, accumulation: int = 1,
                fault: str | None = None,
-               groups: list[tuple[list[str], dict]] | None = None) -> dict[str, Any]:
+               groups: list[tuple[list[str], dict]] | None = None,
+               clipping: float = 0.0) -> dict[str, Any]:
     """Train ``spec`` with ZeRO-2 on this rank's share of each global batch (run it on every
     rank, e.g. through ``hookbench.launch.run``). Returns the full parameters after every
     step, and what each backward left behind: gradients on the model's parameters, the shard's
     gradient size, and the hook calls per parameter. ``groups``: param groups as (parameter
     names, options). ``fault`` names a ``hookbench.faults`` fault to inject; an error it
-    causes is returned, not raised, so every rank finishes."""
+    causes is returned, not raised, so every rank finishes. ``clipping``: clip the global
+    gradient norm to it before each step (``"grad_norms"``: the norms before clipping). In
+    mixed precision also this rank's fp32 masters (``own_part``) before the first step
+    (``"initial_masters"``) and after every step (``"masters"``)."""
     device = _device(rank)
     spec = of(spec)
     model = spec.build().to(device)
     scaler = spec.grad_scaler(device)
     snapshots: list[dict[str, torch.Tensor]] = []
     after_backward: list[dict[str, Any]] = []
-    result = {"snapshots": snapshots, "after_backward": after_backward, "error": None}
+    result: dict[str, Any] = {"snapshots": snapshots, "after_backward": after_backward,
+                              "grad_norms": [], "error": None}
     named = dict(model.named_parameters())
     params = None if groups is None else [{"params": [named[n] for n in names], **options}
                                           for names, options in groups]
     with inject(fault), Zero2(model, optimizer_class, params, bucket_numel=bucket_numel,
                               **kwargs) as zero:
         result.update(shard_numel=sum(f.shard_numel for f in zero.flats))
+        mixed = zero.param_dtype is not None
+        if mixed:
+            result.update(initial_masters=own_masters(zero), masters=[])
         try:
             for i in range(steps):
                 for micro in range(accumulation):
@@ -109,6 +117,10 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                                                 if f.grad is not None),
                         "hook_calls": dict(zero.hook_calls),
                     })
+                if clipping:
+                    if scaler is not None:
+                        scaler.unscale_(zero)
+                    result["grad_norms"].append(float(zero.clip_grad_norm_(clipping)))
                 if scaler is None:
                     zero.step()
                 else:  # every rank skips, or takes, the step alike (hookbench.zero2)
@@ -117,14 +129,29 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                 zero.zero_grad()
                 snapshots.append({n: p.detach().cpu().clone()
                                   for n, p in model.named_parameters()})
+                if mixed:
+                    result["masters"].append(own_masters(zero))
             result["full_state"] = None if zero.simulated else zero.full_state_dict()
-            result["masters"] = [None if f.master is None else f.master.cpu().clone()
-                                 for f in zero.flats]
         except Exception as e:  # noqa: BLE001 - under a fault anything may break; say what
             if fault is None:
                 raise
             result["error"] = f"{type(e).__name__}: {e}"
     return result
+
+
+def own_part(flat: torch.Tensor, shard_numel: int, rank: int,
+             numel: int) -> tuple[int, torch.Tensor]:
+    """(start in the whole flat buffer, a copy of the elements that are parameters, not
+    padding) of this rank's partition ``flat`` of ``shard_numel`` elements, of a buffer whose
+    first ``numel`` elements are parameters. Concatenated over the ranks: the parameters."""
+    start = rank * shard_numel
+    return start, flat[:max(0, min(shard_numel, numel - start))].detach().cpu().clone()
+
+
+def own_masters(zero: Zero2) -> list[tuple[int, torch.Tensor]]:
+    """This rank's fp32 masters (mixed precision), per param group (``own_part``)."""
+    return [own_part(f.master, f.shard_numel, zero.rank, sum(p.numel() for p in f.params))
+            for f in zero.flats]
 
 
 def rank_problems(ranks: list[dict[str, Any]]) -> list[str]:

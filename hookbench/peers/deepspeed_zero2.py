@@ -58,7 +58,6 @@ import torch
 import torch.distributed as dist
 
 from hookbench import zero2_runs
-from hookbench.faults import inject
 from hookbench.memory import StorageTracker
 from hookbench.parity import Tolerance, compare
 from hookbench.prerequisites import MissingPrerequisite
@@ -224,23 +223,13 @@ def _fp32(spec: Any) -> Any:
     return spec
 
 
-def _own(flat: torch.Tensor, shard: int, rank: int, numel: int) -> tuple[int, torch.Tensor]:
-    """(start in the flat buffer, a copy of the real elements) of this rank's partition
-    ``flat`` of ``shard`` elements, of a buffer whose first ``numel`` are parameters."""
-    start = rank * shard
-    return start, flat[:max(0, min(shard, numel - start))].detach().cpu().clone()
-
-
 def _deepspeed_masters(ds: Any, rank: int) -> list[tuple[int, torch.Tensor]]:
+    """This rank's fp32 partition per param group, as ``zero2_runs.own_masters`` gives
+    Zero2's."""
     zero = ds.optimizer
-    return [_own(fp32, size, rank, sum(p.numel() for p in group))
+    return [zero2_runs.own_part(fp32, size, rank, sum(p.numel() for p in group))
             for fp32, size, group in zip(zero.single_partition_of_fp32_groups,
                                          zero.partition_size, zero.bit16_groups)]
-
-
-def _zero2_masters(zero: Zero2, rank: int) -> list[tuple[int, torch.Tensor]]:
-    return [_own(f.master, f.shard_numel, rank, sum(p.numel() for p in f.params))
-            for f in zero.flats]
 
 
 def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
@@ -297,41 +286,11 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
 def zero2_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
                      bucket_numel: int, steps: int = 5, accumulation: int = 1,
                      clipping: float = 0.0, fault: str | None = None) -> dict[str, Any]:
-    """hookbench's side: ``zero2_runs.trajectory`` in fp32 without clipping; otherwise the same
-    loop with ``Zero2.clip_grad_norm_(clipping)`` before each step (where ``clipping``), and in
-    mixed precision (``kwargs`` with ``param_dtype``) this rank's fp32 masters after every
-    step as ``trajectory`` returns DeepSpeed's (``"masters"``, ``"initial_masters"``)."""
-    mixed = _precision(kwargs)[1] is not None
-    if not clipping and not mixed:
-        return zero2_runs.trajectory(rank, world, spec, optimizer_class, kwargs, bucket_numel,
-                                     steps, accumulation, fault)
-    spec = _fp32(spec)
-    model = spec.build()
-    result: dict[str, Any] = {"snapshots": [], "grad_norms": [], "error": None}
-    with inject(fault), Zero2(model, optimizer_class, bucket_numel=bucket_numel,
-                              **kwargs) as zero:
-        if mixed:
-            result["initial_masters"] = _zero2_masters(zero, rank)
-            result["masters"] = []
-        try:
-            for i in range(steps):
-                for micro in range(accumulation):
-                    x, y = zero2_runs.local_batch(spec, i * accumulation + micro, rank, world,
-                                                  "cpu")
-                    (spec.compute_loss(model, x, y) / accumulation).backward()
-                if clipping:
-                    result["grad_norms"].append(float(zero.clip_grad_norm_(clipping)))
-                zero.step()
-                zero.zero_grad()
-                result["snapshots"].append({n: p.detach().cpu().clone()
-                                            for n, p in model.named_parameters()})
-                if mixed:
-                    result["masters"].append(_zero2_masters(zero, rank))
-        except Exception as e:  # noqa: BLE001 - under a fault anything may break; say what
-            if fault is None:
-                raise
-            result["error"] = f"{type(e).__name__}: {e}"
-    return result
+    """hookbench's side: ``zero2_runs.trajectory`` on the same terms (an fp32 model; in mixed
+    precision, ``kwargs`` with ``param_dtype``, it also returns this rank's fp32 masters as
+    ``trajectory`` returns DeepSpeed's: ``"initial_masters"``, ``"masters"``)."""
+    return zero2_runs.trajectory(rank, world, _fp32(spec), optimizer_class, kwargs,
+                                 bucket_numel, steps, accumulation, fault, clipping=clipping)
 
 
 def peer_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -390,8 +349,8 @@ def differences(ours: dict[str, Any], theirs: dict[str, Any],
         result = compare(a, b, tolerance)
         if not result.ok:
             problems.append(result.verdict())
-    if "initial_masters" in ours or "initial_masters" in theirs:  # (zero2_runs' fp32 "masters"
-        problems += master_differences(ours, theirs)               # is [None]: not these)
+    if "initial_masters" in ours or "initial_masters" in theirs:  # mixed precision
+        problems += master_differences(ours, theirs)
     return problems
 
 
