@@ -33,7 +33,7 @@ from hookbench.memory import measure
 from hookbench.parity import compare, parameters_only, trajectory
 from hookbench.prerequisites import attempt
 from hookbench.workload import Workload, configured, load
-from hookbench.workload_checks import refusal
+from hookbench.workload_checks import refusal, refused_words
 from hookbench.zoo import ZOO
 from hookbench.zoo import workload as zoo_workload
 
@@ -145,7 +145,7 @@ def _report(args: argparse.Namespace) -> int:
                                                      snapshot_path=snapshot)})
             why = refusal(spec, strategy)
             if why:  # it must refuse, before it changes anything
-                got = ({"refused": ": ".join(got["error"].split(": ")[:2]) + f" ({why})"}
+                got = ({"refused": f"{refused_words(got['error'])} ({why})"}
                        if "error" in got
                        else {"error": f"measured a {spec.precision} step; it must refuse ({why})"})
             if "result" not in got:

@@ -39,7 +39,7 @@ from hookbench.prerequisites import attempt
 from hookbench.workload import Workload
 
 __all__ = ["MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS", "measure_all", "memory",
-           "refusal", "trajectories", "zero2"]
+           "refusal", "refused_words", "trajectories", "zero2"]
 
 STRATEGIES = ("forloop", "foreach", "in_backward", "in_backward_grouped_foreach")
 # Against what each strategy's parameters are compared, and whether the arithmetic is identical.
@@ -69,6 +69,11 @@ def refusal(workload: Workload, strategy: str) -> str | None:
     return None
 
 
+def refused_words(error: str) -> str:
+    """A refusal as a row shows it: the exception's type and the message's first clause."""
+    return ": ".join(error.split(": ")[:2])
+
+
 def _tolerance(workload: Workload, identical: bool) -> Tolerance | None:
     dtype = workload.parameter_dtype
     if dtype not in (torch.float32, torch.float64):
@@ -88,7 +93,7 @@ def _refused(workload: Workload, strategy: str) -> dict[str, Any]:
     try:
         trajectory(workload, cls, kwargs, strategy, steps=1)
     except (ValueError, RuntimeError) as e:
-        return {"refused": f"{type(e).__name__}: {str(e).split(':')[0]}"}
+        return {"refused": refused_words(f"{type(e).__name__}: {e}")}
     return {"problems": [f"{strategy} trained a {workload.precision} workload; it must refuse "
                          f"({refusal(workload, strategy)})"]}
 
