@@ -82,6 +82,7 @@ RATIOS = (
      "foreach", 1.10),
     ("in backward, per parameter / foreach step", "adam-step", "in_backward", "foreach", None),
     ("ZeRO-2 on 2 gloo ranks / foreach step", "adam-step", "zero2", "foreach", None),
+    ("ZeRO-2 step, hookbench / DeepSpeed stage 2", "zero2-peer", "hookbench", "deepspeed", 1.0),
     ("capture, statistics rms+mean_abs / plain forward", "resnet18-capture",
      "stats_rms_mean_abs", "plain", 1.25),
     ("capture, all 8 statistics / plain forward", "resnet18-capture", "stats", "plain", None),

@@ -86,6 +86,10 @@ def zero2_bound(r: MemoryResult, world: int, bucket_numel: int = ZERO2_BUCKET,
 
 
 MIXED = {"param_dtype": torch.bfloat16}  # the report's mixed-precision ZeRO-2
+# fp16 with dynamic loss scaling: a large first scale and growth every 2 steps, so that 5 steps
+# both skip an overflowing step and grow the scale, as GradScaler would.
+FP16 = {"param_dtype": torch.float16,
+        "loss_scaling": {"init_scale": 2.0**18, "growth_interval": 2}}
 
 
 def zero2_section(spec: Workload, backend: str, standard: MemoryResult | None,
@@ -100,7 +104,8 @@ def zero2_section(spec: Workload, backend: str, standard: MemoryResult | None,
                       "2 Psi + 14 Psi / N, each + activations + bucket", ("check", "verdict"))
     progress("ZeRO-2: parity on 2 gloo ranks, fp32 and bf16 ...")
     cases = zero2_runs.parity_cases()
-    mixed = [{**case, "kwargs": {**case["kwargs"], **MIXED}} for case in cases]
+    mixed = [{**case, "kwargs": {**case["kwargs"], **extra}}
+             for extra in (MIXED, FP16) for case in cases]
     try:
         ranks = launch.run(zero2_runs.trajectories, 2, cases + mixed)
     except Exception as e:  # noqa: BLE001 - a crashed rank is a failed row, not a traceback
@@ -114,17 +119,27 @@ def zero2_section(spec: Workload, backend: str, standard: MemoryResult | None,
             section.add(result.ok, f"{case['optimizer_class'].__name__}, gloo rank {rank} of 2",
                         result.verdict())
     for i, case in enumerate(mixed if ranks else (), start=len(cases)):
+        extra = {k: case["kwargs"][k] for k in ("param_dtype", "loss_scaling")
+                 if k in case["kwargs"]}
         ref = zero2_runs.mixed_reference(case["spec"], case["optimizer_class"],
-                                         cases[i - len(cases)]["kwargs"], case["steps"], 2,
-                                         **MIXED)
+                                         cases[i % len(cases)]["kwargs"], case["steps"], 2,
+                                         **extra)
         # The same operations in the same order as the reference: bit for bit.
         result = compare(ranks[0][i]["snapshots"], ref["snapshots"])
         masters = torch.cat([rank[i]["masters"][-1][0][1] for rank in ranks])
         same = torch.equal(masters, ref["masters"])
-        section.add(result.ok and same,
-                    f"{case['optimizer_class'].__name__} bf16 + fp32 masters, 2 gloo ranks",
-                    f"parameters {result.verdict()}, masters "
-                    f"{'bit-exact' if same else 'DIFFER'} vs one process")
+        scales = ranks[0][i]["loss_scales"]
+        scaled = scales == ref["scales"]
+        words = f"parameters {result.verdict()}, masters {'bit-exact' if same else 'DIFFER'}"
+        if "loss_scaling" in extra:  # skipped steps are where the scale backed off
+            skipped = sum(b < a for a, b in zip([extra["loss_scaling"]["init_scale"]] + scales,
+                                                scales))
+            words += (f", loss scale {'as' if scaled else 'NOT as'} GradScaler's "
+                      f"({skipped} of {len(scales)} steps skipped)")
+        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}[extra["param_dtype"]]
+        section.add(result.ok and same and scaled,
+                    f"{case['optimizer_class'].__name__} {dtype} + fp32 masters, 2 gloo ranks",
+                    words + " vs one process")
     for n in ZERO2_RANKS:
         for label, extra in (("", {}), (", bf16", MIXED)):
             def check(n=n, extra=extra, label=label) -> tuple[bool, str]:

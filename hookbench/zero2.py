@@ -41,8 +41,16 @@ model's floating-point inputs are cast to bf16, as FSDP2's ``MixedPrecisionPolic
 optimizer steps the masters, and the updated masters are rounded into the bf16 shard before
 the all-gather. Gradients are reduced, and the shard's gradient kept, in ``reduce_dtype``
 (default: ``param_dtype``, as FSDP2 and DeepSpeed do); the step converts them to fp32 one
-bucket of elements at a time, so it holds no shard-sized fp32 gradient. fp16 is refused: it
-needs dynamic loss scaling, which this mixed mode does not do (use bf16).
+bucket of elements at a time, so it holds no shard-sized fp32 gradient.
+
+fp16 (``param_dtype=torch.float16``) adds dynamic loss scaling, since fp16's range would
+flush small gradients to zero: ``zero.scale(loss).backward()`` multiplies the loss by the
+current scale, ``step()`` unscales the gradients as it converts them to fp32 and, when any
+rank's reduced gradient holds an inf or NaN, skips the step on every rank and backs the scale
+off. The schedule and arithmetic are ``torch.amp.GradScaler``'s (its defaults; ``loss_scaling``
+overrides them): the same scale tensor, the gradients multiplied by its fp32 reciprocal, the
+scale halved on an overflow and doubled after 2000 steps without one. A GradScaler itself
+cannot do it: the pieces get their fp32 gradients only inside ``step()``.
 
 Per rank, fp32 Adam: parameters 4 Psi + gradient shard 4 Psi/N + Adam state 8 Psi/N, the
 ZeRO paper's 4 Psi + 12 Psi / N; bf16 with fp32 masters: 2 Psi + (2 Psi + 4 Psi + 8 Psi) / N,
@@ -166,10 +174,14 @@ class Zero2:
         reduce_dtype: the dtype gradients are reduced and the shard's gradient kept in
             (default: the parameters' dtype). Where it is not the dtype the optimizer steps
             in (mixed precision), the pieces get no ``.grad`` until ``step()``, so a
-            ``torch.amp.GradScaler`` has nothing to unscale: use bf16, which needs none.
+            ``torch.amp.GradScaler`` has nothing to unscale: bf16 needs none, and fp16 mixed
+            precision scales its own loss (``scale``).
         shard_gradients: False is ZeRO stage 1 (P_os): gradients are all-reduced and every
             rank keeps the whole gradient, only the optimizer state is sharded; for comparing
             memory with stage 2 (``hookbench.zero_paper``).
+        loss_scaling: with ``param_dtype=torch.float16`` only: ``torch.amp.GradScaler``'s
+            keyword arguments (``init_scale``, ``growth_factor``, ``backoff_factor``,
+            ``growth_interval``) for the dynamic loss scaling; its defaults where omitted.
     """
 
     def __init__(
@@ -184,6 +196,7 @@ class Zero2:
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         shard_gradients: bool = True,
+        loss_scaling: dict[str, float] | None = None,
         **defaults: Any,
     ) -> None:
         # Everything is validated (on every rank alike) before the model's parameters are
@@ -213,10 +226,6 @@ class Zero2:
             if dtype is not None and not (isinstance(dtype, torch.dtype)
                                           and dtype.is_floating_point):
                 raise ValueError(f"{what} must be a floating torch.dtype or None, got {dtype!r}")
-        if param_dtype == torch.float16:
-            raise ValueError("param_dtype=torch.float16 needs dynamic loss scaling to keep small "
-                             "gradients from underflowing, which Zero2's mixed precision does "
-                             "not do; use torch.bfloat16 (fp32's range, no loss scaling)")
         own = {g["params"][0].dtype for g in groups}
         if param_dtype in own:
             param_dtype = None  # already the parameters' dtype: nothing to mix
@@ -225,6 +234,7 @@ class Zero2:
                              f"{sorted(map(str, own))}, whose values become the masters")
         if not isinstance(shard_gradients, bool):
             raise TypeError(f"shard_gradients must be a bool, got {shard_gradients!r}")
+        scaling = _loss_scaling(loss_scaling, param_dtype)
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.shard_gradients = shard_gradients
@@ -240,16 +250,27 @@ class Zero2:
         self._collectives = not self.simulated or _C10D_HAS_META
         if not self.simulated:
             _check_same_on_every_rank(groups, self.names, optimizer_class, bucket_numel,
-                                      process_group, (param_dtype, reduce_dtype, shard_gradients))
+                                      process_group, (param_dtype, reduce_dtype, shard_gradients,
+                                                      scaling))
         self.bucket_numel = bucket_numel
         self.flats = [_flatten(g["params"], self.world, self.rank, param_dtype) for g in groups]
-        # Whether the shard's gradient is in another dtype than what the optimizer steps.
-        self._convert = any((self.reduce_dtype or f.buffer.dtype) != f.owned_dtype
-                            for f in self.flats)
+        # Whether step() converts the shard's gradient a bucket at a time: it is in another
+        # dtype than what the optimizer steps, or (fp16) must be unscaled first.
+        self._convert = scaling is not None or any(
+            (self.reduce_dtype or f.buffer.dtype) != f.owned_dtype for f in self.flats)
         self.optimizer = optimizer_class(
             [{**g, "params": [piece for _, piece, _, _ in f.owned]}
              for g, f in zip(groups, self.flats)], **defaults)
         self.hook_calls: Counter[str] = Counter()  # per parameter name, in the last backward
+        # fp16: GradScaler's state (the scale, steps since the last overflow) and options
+        self._scaling = scaling
+        self.loss_scale = None if scaling is None else torch.full(
+            (), scaling["init_scale"], dtype=torch.float32, device=self.flats[0].buffer.device)
+        self._growth_tracker = 0
+        self._scaled = False  # scale() was called for the coming backward
+        self._unscaled_backward = False  # fp16: a backward since zero_grad() had no scale()
+        self._nonfinite = False  # some rank's reduced gradient held an inf/NaN since zero_grad
+        self._clip_coef: torch.Tensor | None = None  # mixed: clipping, applied in step()
         self._regions = _regions(self.flats, bucket_numel, self.world)
         self._region_of: dict[tuple[int, int], list[_Region]] = {}
         for region in self._regions:
@@ -294,6 +315,9 @@ class Zero2:
         if task != self._graph_task:  # the first hook of a new backward
             self._graph_task = task
             self.hook_calls.clear()
+            if self.loss_scale is not None and not self._scaled:
+                self._unscaled_backward = True  # step() refuses; raising here would hang ranks
+            self._scaled = False
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         name = self.names[param]
         self.hook_calls[name] += 1
@@ -334,6 +358,7 @@ class Zero2:
                                  device=self.flats[0].buffer.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
             *used, nonfinite = flags.tolist()
+        self._nonfinite = self._nonfinite or bool(nonfinite)
         for member, u in zip(self._members, used):
             self._got_grad[member] = self._got_grad.get(member, False) or bool(u)
         for g, flat in enumerate(self.flats):
@@ -382,6 +407,16 @@ class Zero2:
 
     # -- step ------------------------------------------------------------------------------------
 
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """fp16: ``loss`` times the current loss scale, to call ``backward()`` on (as
+        ``GradScaler.scale``); every backward needs it, or ``step()`` refuses."""
+        if self.loss_scale is None:
+            raise ValueError("scale() is for param_dtype=torch.float16, whose gradients need "
+                             "dynamic loss scaling; bf16 and fp32 gradients need none: call "
+                             "loss.backward()")
+        self._scaled = True
+        return loss * self.loss_scale.to(loss.device)
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the shard gradients so that the global gradient's norm is at most
@@ -402,9 +437,14 @@ class Zero2:
                         torch.zeros((), device=device))
             dist.all_reduce(total, group=self.group)
             total = total ** (1.0 / norm_type)
+        if self.loss_scale is not None:  # the norm of the unscaled gradient
+            total = total * self.loss_scale.double().reciprocal().float()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's own formula
-        for g in grads:
-            g.mul_(coef)
+        if self._convert:  # applied to the fp32 gradients in step(): no rounding to reduce_dtype
+            self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
+        else:
+            for g in grads:
+                g.mul_(coef)
         return total
 
     @torch.no_grad()
@@ -412,8 +452,19 @@ class Zero2:
         """Step the owned pieces, then all-gather so every rank holds the full parameters."""
         if any(r.arrived for r in self._regions):
             raise RuntimeError("step() with gradients still in a bucket: backward did not end")
+        if self._unscaled_backward:
+            raise RuntimeError("param_dtype=torch.float16: a backward since zero_grad() ran on "
+                               "an unscaled loss, whose small gradients flush to zero in fp16; "
+                               "call zero.scale(loss).backward(), then zero_grad() and retry")
+        if self.loss_scale is not None and self._nonfinite:
+            # The flag was all-reduced, so every rank skips alike, as GradScaler.step does: the
+            # parameters, masters and optimizer state stay as they were; the scale backs off.
+            self._update_scale(found_inf=True)
+            return
         if not self._convert:
             self.optimizer.step()
+        inv_scale = (None if self.loss_scale is None  # as GradScaler.unscale_ computes it
+                     else self.loss_scale.double().reciprocal().float())
         for group, flat in enumerate(self.flats if self._convert else ()):
             # The pieces' gradients in their own dtype, about a bucket of elements at a time:
             # pieces without a gradient are skipped by the optimizer, so each piece is stepped
@@ -430,7 +481,11 @@ class Zero2:
                 for index, piece, offset, _ in chunk:
                     if self._got_grad.get((group, index)) and flat.grad is not None:
                         piece.grad = self._shard_grad(flat)[offset:offset + piece.numel()].to(
-                            piece.dtype)
+                            piece.dtype, copy=True)
+                        if inv_scale is not None:  # GradScaler.unscale_'s multiplication
+                            piece.grad.mul_(inv_scale)
+                        if self._clip_coef is not None:
+                            piece.grad.mul_(self._clip_coef)
                 self.optimizer.step()
                 for _, piece, _, _ in chunk:
                     piece.grad = None
@@ -441,9 +496,28 @@ class Zero2:
             # step holds no shard-sized copy
             if self._collectives:
                 _all_gather(flat.buffer, flat.shard, group=self.group)
+        if self.loss_scale is not None:
+            self._update_scale(found_inf=False)
+
+    def _update_scale(self, found_inf: bool) -> None:
+        """GradScaler.update's schedule (torch._amp_update_scale_), in Python: the inf/NaN
+        flag is already on the host."""
+        options = self._scaling
+        if found_inf:
+            self.loss_scale.mul_(options["backoff_factor"])
+            self._growth_tracker = 0
+        elif self._growth_tracker + 1 == options["growth_interval"]:
+            grown = self.loss_scale * options["growth_factor"]
+            if torch.isfinite(grown):  # as torch._amp_update_scale_: never grow to inf
+                self.loss_scale.copy_(grown)
+            self._growth_tracker = 0
+        else:
+            self._growth_tracker += 1
 
     def zero_grad(self) -> None:
         self._got_grad.clear()
+        self._nonfinite = self._unscaled_backward = False
+        self._clip_coef = None
         for flat in self.flats:
             flat.grad = None
             for _, piece, _, _ in flat.owned:
@@ -530,6 +604,38 @@ class Zero2:
         self.remove()
 
 
+# torch.amp.GradScaler's defaults
+_LOSS_SCALING = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5,
+                 "growth_interval": 2000}
+
+
+def _loss_scaling(options: dict[str, float] | None,
+                  param_dtype: torch.dtype | None) -> dict[str, float] | None:
+    """The validated loss-scaling options: fp16 mixed precision only."""
+    if param_dtype != torch.float16:
+        if options is not None:
+            raise ValueError("loss_scaling is for param_dtype=torch.float16 only: bf16 and fp32 "
+                             "gradients have fp32's range and need no loss scaling")
+        return None
+    if options is not None and not isinstance(options, dict):
+        raise TypeError(f"loss_scaling must be a dict of GradScaler's options, got {options!r}")
+    unknown = set(options or {}) - set(_LOSS_SCALING)
+    if unknown:
+        raise ValueError(f"loss_scaling has unknown options {sorted(unknown)}; known: "
+                         f"{sorted(_LOSS_SCALING)}")
+    options = {**_LOSS_SCALING, **(options or {})}
+    checks = {"init_scale": lambda v: 0 < v < float("inf"), "growth_factor": lambda v: v > 1,
+              "backoff_factor": lambda v: 0 < v < 1,
+              "growth_interval": lambda v: isinstance(v, int) and v >= 1}
+    for key, ok in checks.items():
+        value = options[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
+            raise ValueError(f"loss_scaling {key}={value!r} is out of range (init_scale > 0 "
+                             f"and finite, growth_factor > 1, 0 < backoff_factor < 1, "
+                             f"growth_interval a positive int)")
+    return options
+
+
 def _cast_inputs(dtype: torch.dtype, module: nn.Module, args: Any, kwargs: Any) -> Any:
     """The model's floating-point inputs in the parameters' dtype."""
     def cast(t: Any) -> Any:
@@ -549,12 +655,13 @@ def _refuse_reentrant_checkpoint(module: nn.Module, args: Any, output: Any) -> N
 
 def _check_same_on_every_rank(groups: list[dict[str, Any]], names: dict, optimizer_class: type,
                               bucket_numel: int, process_group: Any,
-                              options: tuple[Any, ...] = (None, None, True)) -> None:
+                              options: tuple[Any, ...] = (None, None, True, None)) -> None:
     """Raise on every rank, naming the difference, unless every rank shards the same thing:
     otherwise the reductions would not line up and the ranks would hang or mix gradients."""
     mine = [f"optimizer {optimizer_class.__module__}.{optimizer_class.__qualname__}",
             f"bucket_numel {bucket_numel}", f"{len(groups)} param groups",
-            "param_dtype {}, reduce_dtype {}, shard_gradients {}".format(*options)]
+            "param_dtype {}, reduce_dtype {}, shard_gradients {}, loss_scaling {}".format(
+                *options)]
     mine += [f"group {i}: '{names[p]}' {tuple(p.shape)} {p.dtype}"
              for i, g in enumerate(groups) for p in g["params"]]
     every: list[Any] = [None] * dist.get_world_size(process_group)

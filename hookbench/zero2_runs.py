@@ -85,7 +85,8 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     causes is returned, not raised, so every rank finishes. ``clipping``: clip the global
     gradient norm to it before each step (``"grad_norms"``: the norms before clipping). In
     mixed precision also this rank's fp32 masters (``own_part``) before the first step
-    (``"initial_masters"``) and after every step (``"masters"``)."""
+    (``"initial_masters"``) and after every step (``"masters"``); in fp16 the loss scale after
+    every step (``"loss_scales"``)."""
     device = _device(rank)
     spec = of(spec)
     model = spec.build().to(device)
@@ -93,7 +94,7 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     snapshots: list[dict[str, torch.Tensor]] = []
     after_backward: list[dict[str, Any]] = []
     result: dict[str, Any] = {"snapshots": snapshots, "after_backward": after_backward,
-                              "grad_norms": [], "error": None}
+                              "grad_norms": [], "loss_scales": [], "error": None}
     named = dict(model.named_parameters())
     params = None if groups is None else [{"params": [named[n] for n in names], **options}
                                           for names, options in groups]
@@ -101,6 +102,8 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                               **kwargs) as zero:
         result.update(shard_numel=sum(f.shard_numel for f in zero.flats))
         mixed = zero.param_dtype is not None
+        if zero.loss_scale is not None:  # fp16 mixed precision scales its own loss
+            scaler = None
         if mixed:
             result.update(initial_masters=own_masters(zero), masters=[])
         try:
@@ -109,7 +112,11 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                     x, y = local_batch(spec, i * accumulation + micro, rank, world, device)
                     zero.hook_calls.clear()  # so that a backward whose hooks never fire shows
                     loss = spec.compute_loss(model, x, y) / accumulation
-                    (loss if scaler is None else scaler.scale(loss)).backward()
+                    if zero.loss_scale is not None:
+                        loss = zero.scale(loss)
+                    elif scaler is not None:
+                        loss = scaler.scale(loss)
+                    loss.backward()
                     after_backward.append({
                         "param_grads": [n for n, p in model.named_parameters()
                                         if p.grad is not None],
@@ -131,6 +138,8 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                                   for n, p in model.named_parameters()})
                 if mixed:
                     result["masters"].append(own_masters(zero))
+                if zero.loss_scale is not None:
+                    result["loss_scales"].append(float(zero.loss_scale))
             result["full_state"] = None if zero.simulated else zero.full_state_dict()
         except Exception as e:  # noqa: BLE001 - under a fault anything may break; say what
             if fault is None:
@@ -174,14 +183,19 @@ def rank_problems(ranks: list[dict[str, Any]]) -> list[str]:
 
 def mixed_reference(spec: Any, optimizer_class: type, kwargs: dict, steps: int, world: int,
                     param_dtype: torch.dtype, reduce_dtype: torch.dtype | None = None,
-                    accumulation: int = 1) -> dict[str, Any]:
+                    accumulation: int = 1, loss_scaling: dict | None = None,
+                    clipping: float = 0.0) -> dict[str, Any]:
     """What ``Zero2(param_dtype=..., reduce_dtype=...)`` on ``world`` ranks computes, in one
     process and without sharding: a ``param_dtype`` model, fp32 masters of every trainable
     parameter stepped by a standard optimizer, and each micro-batch's gradient the sum over
     the ranks' shares (inputs cast to ``param_dtype``, as Zero2 casts them; each a
     ``param_dtype`` backward) in ``reduce_dtype``, rank 0 first,
     divided by ``world``, accumulated in ``reduce_dtype`` and converted to fp32 for the step.
-    Returns the parameters after every step and the final masters, flat."""
+    fp16: a ``torch.amp.GradScaler`` (``loss_scaling``: its options) scales each loss, unscales
+    the masters' gradients and skips a step on an inf/NaN. ``clipping``:
+    ``torch.nn.utils.clip_grad_norm_`` on the masters' (unscaled) gradients before each step.
+    Returns the parameters after every step, the final masters, flat, and (fp16) the loss
+    scale after every step."""
     reduce_dtype = reduce_dtype or param_dtype
     model = of(spec).build()
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -189,7 +203,9 @@ def mixed_reference(spec: Any, optimizer_class: type, kwargs: dict, steps: int, 
     for p in trainable:
         p.data = p.data.to(param_dtype)
     opt = optimizer_class(masters, **kwargs)
-    snapshots = []
+    scaler = (torch.amp.GradScaler("cpu", **(loss_scaling or {}))
+              if param_dtype == torch.float16 else None)
+    snapshots, scales = [], []
     for i in range(steps):
         total = [torch.zeros(p.numel(), dtype=reduce_dtype) for p in trainable]
         for micro in range(accumulation):
@@ -197,7 +213,8 @@ def mixed_reference(spec: Any, optimizer_class: type, kwargs: dict, steps: int, 
             for rank in range(world):
                 x, y = local_batch(spec, i * accumulation + micro, rank, world, "cpu")
                 x = tree_map(lambda t: t.to(param_dtype) if t.is_floating_point() else t, x)
-                (of(spec).compute_loss(model, x, y) / accumulation).backward()
+                loss = of(spec).compute_loss(model, x, y) / accumulation
+                (loss if scaler is None else scaler.scale(loss)).backward()
                 for s, p in zip(summed, trainable):
                     s += p.grad.reshape(-1).to(reduce_dtype)
                     p.grad = None
@@ -205,13 +222,23 @@ def mixed_reference(spec: Any, optimizer_class: type, kwargs: dict, steps: int, 
                 t += s / world
         for m, t in zip(masters, total):
             m.grad = t.to(m.dtype).view_as(m)
-        opt.step()
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if clipping:
+            torch.nn.utils.clip_grad_norm_(masters, clipping)
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
         opt.zero_grad()
         with torch.no_grad():
             for p, m in zip(trainable, masters):
                 p.copy_(m)
         snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return {"snapshots": snapshots, "masters": torch.cat([m.reshape(-1) for m in masters])}
+    return {"snapshots": snapshots, "masters": torch.cat([m.reshape(-1) for m in masters]),
+            "scales": scales}
 
 
 class Lockstep:
@@ -228,15 +255,22 @@ class Lockstep:
         self.batch = local_batch(spec, 0, rank, world, self.device)
         self.zero = Zero2(self.model, optimizer_class, bucket_numel=bucket_numel, **kwargs)
 
+    def _train(self) -> None:
+        """One training step (a subclass times another system's)."""
+        x, y = self.batch
+        self.spec.compute_loss(self.model, x, y).backward()
+        self.zero.step()
+        self.zero.zero_grad()
+
+    def _close(self) -> None:
+        self.zero.remove()
+
     def step(self, go: bool = True) -> bool:
         flag = torch.tensor([int(go)], device=self.device)
         dist.broadcast(flag, src=0)
         if not flag.item():  # on a GPU this waits for the broadcast, and so for the last step
             return False
-        x, y = self.batch
-        self.spec.compute_loss(self.model, x, y).backward()
-        self.zero.step()
-        self.zero.zero_grad()
+        self._train()
         if self.device != "cpu":
             torch.cuda.synchronize()
         return True
@@ -249,13 +283,13 @@ class Lockstep:
             if dist.get_rank() == 0:
                 self.step(go=False)  # releases the followers
         finally:
-            self.zero.remove()
+            self._close()
 
 
-def follow(rank: int, world: int, *args: Any) -> int:
-    """A rank of ``Lockstep`` other than 0: steps until rank 0 stops; returns how many."""
+def follow(rank: int, world: int, *args: Any, lockstep: type[Lockstep] = Lockstep) -> int:
+    """A rank of ``lockstep`` other than 0: steps until rank 0 stops; returns how many."""
     steps = 0
-    with Lockstep(*args) as lock:
+    with lockstep(*args) as lock:
         while lock.step():
             steps += 1
     return steps

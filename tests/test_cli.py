@@ -2,6 +2,7 @@
 when a check fails."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -145,6 +146,10 @@ def test_report_zero2_rows_are_judged_against_their_bound(monkeypatch):
     for optimizer in ("SGD", "Adam"):
         ok, verdict = rows[f"{optimizer} bf16 + fp32 masters, 2 gloo ranks"]
         assert ok and verdict == "parameters bit-exact, masters bit-exact vs one process"
+        ok, verdict = rows[f"{optimizer} fp16 + fp32 masters, 2 gloo ranks"]
+        assert ok and re.fullmatch(r"parameters bit-exact, masters bit-exact, loss scale as "
+                                   r"GradScaler's \([1-4] of 5 steps skipped\) vs one process",
+                                   verdict), verdict
     measured = report.measure
 
     def second_bucket(*args, **kwargs):  # a rank that keeps one more bucket alive

@@ -297,3 +297,30 @@ def test_missing_deepspeed_is_a_missing_prerequisite(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)
     with pytest.raises(MissingPrerequisite, match="deepspeed is not installed"):
         deepspeed_zero2.trajectory(0, 1, SPEC, *OPTIMIZERS["sgd"], bucket_numel=50)
+
+
+# -- speed -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.benchmark(group="zero2-peer")
+@pytest.mark.parametrize("system", ["hookbench", "deepspeed"])
+def test_benchmark_step_beside_deepspeed(benchmark, system, monkeypatch):
+    """One training step (forward, backward, step) of the memory comparison's 3.15M MLP, Adam
+    (for-loop), 2^20-element buckets, on 2 gloo ranks with one thread each, led by rank 0 in
+    this process (``Lockstep``); the ratio of the two is printed after the run (conftest's
+    RATIOS). Seen: hookbench 0.72x-0.99x DeepSpeed's step (interleaved, ``step_times``)."""
+    # rank 0 of DeepSpeed's engine is this process: its environment, undone after the test
+    for key, value in {"DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0",
+                       "WORLD_SIZE": str(WORLD)}.items():
+        monkeypatch.setenv(key, value)
+    side = deepspeed_zero2 if system == "deepspeed" else zero2_runs
+    args = (MEMORY_SPEC, torch.optim.Adam, MEMORY_ADAM, MEMORY_BUCKET)
+    benchmark.extra_info.update(strategy=system, device="cpu", ranks=WORLD)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each spawned rank runs
+    try:
+        with launch.beside(side.follow, WORLD, *args, timeout=300), side.Lockstep(*args) as lock:
+            lock.step()  # Adam's state exists from here on
+            benchmark.pedantic(lock.step, rounds=20, warmup_rounds=2)
+    finally:
+        torch.set_num_threads(threads)

@@ -199,13 +199,71 @@ MIXED_CASES = [  # (optimizer, reduce_dtype, accumulation, fault, shard_gradient
 ]
 
 
+# fp16 with dynamic loss scaling. GROW starts high and grows every 2 steps, so that 5 steps
+# skip an overflowing step and grow the scale, GradScaler's two paths.
+GROW = {"init_scale": 2.0**18, "growth_interval": 2}
+FP16_CASES = [  # (optimizer, loss_scaling, reduce_dtype, accumulation, clipping, fault)
+    ("sgd", None, None, 1, 0.0, None), ("adam", GROW, None, 2, 0.0, None),
+    ("adam", GROW, torch.float32, 1, 0.0, None), ("sgd", GROW, None, 1, 0.05, None),
+    ("adam", GROW, None, 1, 0.0, "collective_wrong_slice"),
+]
+
+
 @pytest.fixture(scope="module")
 def mixed_runs():
+    """bf16 cases (MIXED_CASES), then fp16 ones (FP16_CASES), from one spawn of 2 ranks."""
     cases = [dict(spec=SPEC, optimizer_class=OPTIMIZERS[name][0], bucket_numel=50, steps=STEPS,
                   kwargs={**OPTIMIZERS[name][1], **BF16, "reduce_dtype": reduce,
                           "shard_gradients": shard}, accumulation=k, fault=fault)
              for name, reduce, k, fault, shard in MIXED_CASES]
+    cases += [dict(spec=SPEC, optimizer_class=OPTIMIZERS[name][0], bucket_numel=50, steps=STEPS,
+                   kwargs={**OPTIMIZERS[name][1], "param_dtype": torch.float16,
+                           "reduce_dtype": reduce, "loss_scaling": scaling},
+                   accumulation=k, clipping=clip, fault=fault)
+              for name, scaling, reduce, k, clip, fault in FP16_CASES]
     return cases, launch.run(zero2_runs.trajectories, 2, cases, timeout=240)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("i", range(len(FP16_CASES)),
+                         ids=[f"{n}-{'grow' if g else 'default'}-{r}-k{k}-clip{c}-{f}"
+                              for n, g, r, k, c, f in FP16_CASES])
+def test_fp16_with_loss_scaling_is_its_gradscaler_reference(mixed_runs, i):
+    """fp16 parameters, fp32 masters, Zero2's own dynamic loss scaling: against one process
+    doing the same arithmetic with a real torch.amp.GradScaler over fp32 masters. Bit for bit
+    (parameters, masters and the scale after every step; with 2 ranks the reduction is one
+    rounding), including the steps skipped on an overflow; with clipping, the norm is summed
+    in another order (shard by shard, against clip_grad_norm_'s norm of norms), so TOL
+    (rtol 1e-5, atol 1e-6). A wrong collective must break it."""
+    cases, ranks = mixed_runs
+    name, scaling, reduce, k, clip, fault = FP16_CASES[i]
+    got = [rank[len(MIXED_CASES) + i] for rank in ranks]
+    ref = zero2_runs.mixed_reference(SPEC, OPTIMIZERS[name][0], OPTIMIZERS[name][1], STEPS, 2,
+                                     torch.float16, reduce, k, loss_scaling=scaling,
+                                     clipping=clip)
+    problems = zero2_runs.rank_problems(got)
+    if fault is not None:
+        assert problems or not compare(got[0]["snapshots"], ref["snapshots"]).bit_exact
+        return
+    assert problems == []
+    assert all(v.dtype == torch.float16 for v in got[0]["snapshots"][-1].values())
+    result = compare(got[0]["snapshots"], ref["snapshots"], TOL if clip else None)
+    assert result.ok, result.verdict()
+    for rank in got:
+        assert rank["loss_scales"] == ref["scales"]
+    masters = torch.cat([g["masters"][-1][0][1] for g in got])
+    if clip:
+        assert torch.allclose(masters, ref["masters"], rtol=TOL.rtol, atol=TOL.atol)
+        taken = [n for n in got[0]["grad_norms"] if n == n]  # a skipped step's norm is NaN
+        assert taken and min(taken) > clip  # it clipped at every step it took
+    else:
+        assert torch.equal(masters, ref["masters"])
+    # The run covers GradScaler's paths: a skipped step (the scale backs off), and with GROW
+    # (but for the clipped run, which overflows again instead) a grown scale.
+    start = (scaling or {}).get("init_scale", 2.0**16)
+    changes = list(zip([start] + ref["scales"], ref["scales"]))
+    assert any(b < a for a, b in changes)
+    assert scaling is None or clip or any(b > a for a, b in changes)
 
 
 @pytest.mark.distributed
@@ -256,6 +314,61 @@ def test_mixed_precision_matches_fsdp2s_mixed_precision_policy(mixed_runs):
     ours = torch.cat([rank[i]["masters"][-1][0][1] for rank in ranks])
     theirs = torch.cat([v.reshape(-1) for v in peer.values()])
     assert torch.equal(ours, theirs)
+
+
+@pytest.fixture
+def one_gloo_rank():
+    """This process as the only rank of a gloo group, for checks that patch Zero2 itself."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fp16_refuses_an_unscaled_backward_and_bf16_a_scale(one_gloo_rank):
+    model = SPEC.build()
+    x, y = zero2_runs.local_batch(SPEC, 0, 0, 1, "cpu")
+    with zero2.Zero2(model, torch.optim.SGD, param_dtype=torch.float16, lr=0.1) as zero:
+        before = [p.detach().clone() for p in model.parameters()]
+        masters = zero.flats[0].master.clone()
+        SPEC.loss(model(x), y).backward()
+        with pytest.raises(RuntimeError, match="ran on an unscaled loss"):
+            zero.step()  # before anything changed
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        assert torch.equal(masters, zero.flats[0].master)
+        zero.zero_grad()
+        zero.scale(SPEC.loss(model(x), y)).backward()
+        zero.step()
+        assert not torch.equal(masters, zero.flats[0].master)
+    with zero2.Zero2(SPEC.build(), torch.optim.SGD, param_dtype=torch.bfloat16, lr=0.1) as zero:
+        with pytest.raises(ValueError, match="bf16 and fp32 gradients need none"):
+            zero.scale(torch.ones(()))
+
+
+def test_fp16_check_catches_a_step_taken_through_an_overflow(one_gloo_rank, monkeypatch):
+    """The fault the loss scaling guards against: an overflow that does not skip the step. The
+    reference comparison of the test above must catch it (here on one rank, in process, so
+    that Zero2 itself can be patched)."""
+    kw = {**OPTIMIZERS["sgd"][1], "param_dtype": torch.float16, "loss_scaling": GROW}
+    case = dict(spec=SPEC, optimizer_class=torch.optim.SGD, kwargs=kw, bucket_numel=50,
+                steps=STEPS)
+    ref = zero2_runs.mixed_reference(SPEC, torch.optim.SGD, OPTIMIZERS["sgd"][1], STEPS, 1,
+                                     torch.float16, loss_scaling=GROW)
+    assert ref["scales"][0] < GROW["init_scale"]  # the first step overflows and is skipped
+    good = zero2_runs.trajectory(0, 1, **case)
+    assert compare(good["snapshots"], ref["snapshots"]).bit_exact
+    assert good["loss_scales"] == ref["scales"]
+    original = zero2.Zero2._end_of_backward
+
+    def loses_the_overflow(self):
+        original(self)
+        self._nonfinite = False
+
+    monkeypatch.setattr(zero2.Zero2, "_end_of_backward", loses_the_overflow)
+    bad = zero2_runs.trajectory(0, 1, **case)
+    assert not compare(bad["snapshots"], ref["snapshots"]).ok
+    assert bad["loss_scales"] != ref["scales"]
 
 
 def test_mixed_precision_memory_is_the_zero_papers():
@@ -615,8 +728,15 @@ def test_misuse_is_refused():
             zero2.Zero2(model, torch.optim.SGD, [model[0].weight, model[0].weight], lr=0.1)
         assert not any(p._post_accumulate_grad_hooks for p in model.parameters()
                        if hasattr(p, "_post_accumulate_grad_hooks"))
-        dtype_misuse = [({"param_dtype": torch.float16}, "needs dynamic loss scaling"),
-                        ({"param_dtype": torch.int8}, "must be a floating torch.dtype"),
+        dtype_misuse = [({"param_dtype": torch.int8}, "must be a floating torch.dtype"),
+                        ({"loss_scaling": {}}, "for param_dtype=torch.float16 only"),
+                        ({"param_dtype": torch.float16, "loss_scaling": {"backoff": 0.5}},
+                         "unknown options"),
+                        ({"param_dtype": torch.float16, "loss_scaling": {"init_scale": 0}},
+                         "init_scale=0 is out of range"),
+                        ({"param_dtype": torch.float16,
+                          "loss_scaling": {"growth_interval": 1.5}},
+                         "growth_interval=1.5 is out of range"),
                         ({"reduce_dtype": "bf16"}, "must be a floating torch.dtype"),
                         ({"param_dtype": torch.float64}, "must be narrower")]
         for options, words in dtype_misuse:

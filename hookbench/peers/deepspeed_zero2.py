@@ -40,6 +40,8 @@ does that DeepSpeed does not are done here on its side:
     memory_cases        rank_memory for several cases from one start of the ranks
     bf16_valued         a workload whose initial fp32 values are bf16 values (masters agree)
     step_times          the time of one step of each, interleaved, on the same ranks
+    Lockstep / follow   DeepSpeed steps led by rank 0, as ``zero2_runs.Lockstep`` (for
+                        pytest-benchmark, beside the same for Zero2)
 
 Needs the ``peers`` extra (``pip install -e '.[peers]'``, i.e. deepspeed); without it, every
 entry point raises ``hookbench.prerequisites.MissingPrerequisite``. The module itself imports
@@ -64,9 +66,9 @@ from hookbench.prerequisites import MissingPrerequisite
 from hookbench.workload import of
 from hookbench.zero2 import Zero2, _cast_inputs
 
-__all__ = ["MISSING", "bf16_valued", "config", "differences", "engine", "master_differences",
-           "memory_cases", "peer_cases", "rank_memory", "step_times", "trajectory",
-           "zero2_trajectory"]
+__all__ = ["MISSING", "Lockstep", "bf16_valued", "config", "differences", "engine", "follow",
+           "master_differences", "memory_cases", "peer_cases", "rank_memory", "step_times",
+           "trajectory", "zero2_trajectory"]
 
 MISSING = "deepspeed is not installed (pip install deepspeed; the peers extra)"
 
@@ -573,3 +575,34 @@ def step_times(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
         finally:
             deepspeed_engine.destroy()
     return times
+
+
+class Lockstep(zero2_runs.Lockstep):
+    """``zero2_runs.Lockstep`` with DeepSpeed's stage 2 engine in place of Zero2: training led
+    by rank 0, every step on global batch 0, so that pytest-benchmark times the two alike."""
+
+    def __init__(self, spec: Any, optimizer_class: type, kwargs: dict, bucket_numel: int):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.device = "cpu"
+        self.spec = of(spec)
+        self.batch = zero2_runs.local_batch(self.spec, 0, rank, world, "cpu")
+        self.engine = engine(spec, optimizer_class, kwargs, bucket_numel)
+
+    def _train(self) -> None:
+        x, y = self.batch
+        self.engine.backward(self.spec.compute_loss(self.engine, x, y))
+        self.engine.step()  # zeroes the gradients itself
+
+    def _close(self) -> None:
+        try:
+            self.engine.destroy()
+        finally:  # destroy() leaves the engine's forward hooks on the model (deepspeed 0.19.8)
+            for name in ("module_forward_pre_hook", "module_forward_post_hook"):
+                handle = getattr(self.engine, name, None)
+                if handle is not None:
+                    handle.remove()
+
+
+def follow(rank: int, world: int, *args: Any) -> int:
+    """A rank of ``Lockstep`` other than 0 (``zero2_runs.follow``)."""
+    return zero2_runs.follow(rank, world, *args, lockstep=Lockstep)
