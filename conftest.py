@@ -81,6 +81,8 @@ RATIOS = (
     ("in backward, grouped+foreach / foreach step", "adam-step", "in_backward_grouped_foreach",
      "foreach", 1.10),
     ("in backward, per parameter / foreach step", "adam-step", "in_backward", "foreach", None),
+    ("in backward, bucketed / foreach step", "adam-step", "in_backward_bucketed", "foreach",
+     1.10),
     ("ZeRO-2 on 2 gloo ranks / foreach step", "adam-step", "zero2", "foreach", None),
     ("ZeRO-2 step, hookbench / DeepSpeed stage 2", "zero2-peer", "hookbench", "deepspeed", 1.0),
     ("capture, statistics rms+mean_abs / plain forward", "resnet18-capture",

@@ -472,8 +472,9 @@ def check(base: dict[str, Any], now: dict[str, Any], parity: bool = True,
           time_slack: float = TIME_SLACK, strict_warnings: bool = False) -> dict[str, Section]:
     """The gate's verdict by section: ``now`` (``measure_all``) against the baseline ``base``.
     A section whose measurement crashed is one failed row naming the exception."""
-    was, here = base["recorded_with"]["cpu_capability"], now["recorded_with"]["cpu_capability"]
-    note = f" (recorded on {was}, this CPU runs {here})" if was != here else ""
+    was, here = (" ".join(filter(None, (env.get("cpu"), env["cpu_capability"])))
+                 for env in (base["recorded_with"], now["recorded_with"]))
+    note = f" (recorded on {was}, this CPU is {here})" if was != here else ""
     judges: dict[str, Callable[[dict, dict], Section]] = {
         "hooks": _hooks,
         "numerics": lambda b, n: _numerics_section(

@@ -377,6 +377,14 @@ def _gradients_needed(model: nn.Module, strategy: str, tracker: StorageTracker,
         return tracker.rounded(sum(p.nbytes for p in optimized))
     if strategy == "in_backward":  # one parameter's
         return max(tracker.rounded(p.nbytes) for p in model.parameters() if p.requires_grad)
+    if strategy == "in_backward_bucketed":  # the largest bucket's (cut as the mechanism cuts)
+        buckets: list[list[torch.Tensor]] = [[]]
+        for p in reversed([p for p in model.parameters() if p.requires_grad]):
+            if buckets[-1] and (sum(q.nbytes for q in buckets[-1]) + p.nbytes
+                                > parity.BUCKET_CAP_MB * 2**20):
+                buckets.append([])
+            buckets[-1].append(p)
+        return max(sum(tracker.rounded(p.nbytes) for p in b) for b in buckets)
     if strategy.startswith("in_backward_grouped"):  # one module's own parameters'
         return max(sum(tracker.rounded(p.nbytes) for p in m.parameters(recurse=False)
                        if p.requires_grad) for m in model.modules())

@@ -3,7 +3,8 @@
 The reference implementation of the PyTorch tutorial "How to save memory by fusing the optimizer
 step into the backward pass", grown into something a training loop can use unchanged:
 
-* every trainable parameter (or, with ``grouped=True``, every module's own parameters) gets its
+* every trainable parameter (or, with ``grouped=True``, every module's own parameters; with
+  ``bucket_cap_mb``, each bucket of parameters as DDP buckets them) gets its
   own instance of the chosen ``torch.optim`` class, stepped from
   ``Tensor.register_post_accumulate_grad_hook`` as soon as its gradient is complete, after which
   the gradient is freed, so the gradients of the whole model never exist at once;
@@ -103,6 +104,14 @@ class OptimizerInBackward(torch.optim.Optimizer):
         accumulation_steps: step on every k-th backward; gradients accumulate in between.
         grouped: step all parameters of one module together once all their gradients are
             ready, so the foreach / fused kernels of the optimizer apply within the module.
+        bucket_cap_mb: instead, buckets of parameters as DDP's ``bucket_cap_mb`` makes them:
+            each param group's parameters in reverse order (the order backward usually
+            completes them), cut where a bucket would exceed this many MiB of gradients (a
+            larger parameter is a bucket of its own). Each bucket is stepped with one call of
+            the optimizer (one foreach or fused kernel launch per operation with
+            ``foreach=True`` / ``fused=True``) when its last gradient arrives, so a model of
+            many small tensors pays one Python-level step per bucket, not per parameter, and
+            at most a bucket of gradients (plus those arriving) is alive at once.
         **defaults: options of ``optimizer_class`` (``lr``, ``betas``, ``foreach``, ...).
     """
 
@@ -114,6 +123,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         *,
         accumulation_steps: int = 1,
         grouped: bool = False,
+        bucket_cap_mb: float | None = None,
         **defaults: Any,
     ) -> None:
         # Everything is validated and every inner optimizer built before the first hook is
@@ -125,6 +135,14 @@ class OptimizerInBackward(torch.optim.Optimizer):
             raise TypeError(f"accumulation_steps must be an int, got {accumulation_steps!r}")
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+        if bucket_cap_mb is not None:
+            if (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+                    or not 0 < bucket_cap_mb < float("inf")):
+                raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got "
+                                 f"{bucket_cap_mb!r}")
+            if grouped:
+                raise ValueError("grouped=True and bucket_cap_mb are two ways of grouping the "
+                                 "parameters (by module, by size); pass one of them")
 
         names = {p: n for n, p in model.named_parameters()}
         groups = _normalize_groups(params, names, defaults)
@@ -132,13 +150,15 @@ class OptimizerInBackward(torch.optim.Optimizer):
         # and fills in the class defaults, so state_dict() reads exactly like that of
         # optimizer_class(model.named_parameters(), **defaults).
         template = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults)
-        units = _build_units(model, optimizer_class, groups, defaults, grouped, first_group=0)
+        units = _build_units(model, optimizer_class, groups, defaults, grouped, bucket_cap_mb,
+                             first_group=0)
         super().__init__([_named_group(g, names) for g in groups], dict(template.defaults))
 
         self.model = model
         self.optimizer_class = optimizer_class
         self.accumulation_steps = accumulation_steps
         self.grouped = grouped
+        self.bucket_cap_mb = bucket_cap_mb
         self._kwargs = defaults
         self._units: list[_Unit] = []
         self._handles: list[RemovableHandle] = [
@@ -247,7 +267,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         mine = [p for g in self.param_groups for p in g["params"]]
         groups = _normalize_groups([param_group], names, self._kwargs, taken=mine)
         units = _build_units(self.model, self.optimizer_class, groups, self._kwargs,
-                             self.grouped, first_group=len(self.param_groups))
+                             self.grouped, self.bucket_cap_mb,
+                             first_group=len(self.param_groups))
         super().add_param_group(_named_group(groups[0], names))
         self._attach(units)
 
@@ -451,12 +472,22 @@ def reentrant_checkpoint_in_graph(output: Any) -> bool:
 
 def _build_units(
     model: nn.Module, optimizer_class: type, groups: list[dict], defaults: dict, grouped: bool,
-    first_group: int,
+    bucket_cap_mb: float | None, first_group: int,
 ) -> list[_Unit]:
     options = [{**defaults, **{k: v for k, v in g.items() if k != "params"}} for g in groups]
     group_of = {p: i for i, g in enumerate(groups) for p in g["params"] if p.requires_grad}
     buckets: dict[Any, list[torch.Tensor]] = defaultdict(list)
-    if grouped:
+    if bucket_cap_mb is not None:  # as DDP: reverse order, cut at the cap
+        cap = bucket_cap_mb * 2**20
+        for i, g in enumerate(groups):
+            size, number = 0, 0
+            for p in reversed([p for p in g["params"] if p.requires_grad]):
+                nbytes = p.numel() * p.element_size()
+                if (number, i) in buckets and size + nbytes > cap:
+                    number, size = number + 1, 0
+                buckets[(number, i)].append(p)
+                size += nbytes
+    elif grouped:
         seen: set = set()
         for module in model.modules():
             for p in module.parameters(recurse=False):

@@ -11,6 +11,7 @@ Strategies:
     in_backward                  OptimizerInBackward, one optimizer per parameter, for-loop
     in_backward_grouped          OptimizerInBackward(grouped=True), for-loop
     in_backward_grouped_foreach  the grouped mode with the foreach kernels inside each module
+    in_backward_bucketed         OptimizerInBackward(bucket_cap_mb=25), foreach in each bucket
     peer                         torch.distributed.optim._apply_optimizer_in_backward (k=1 only)
     zero2                        hookbench.zero2.Zero2 (needs an initialized process group)
 """
@@ -62,6 +63,7 @@ STRATEGIES = (
     "in_backward",
     "in_backward_grouped",
     "in_backward_grouped_foreach",
+    "in_backward_bucketed",
     "peer",
     "zero2",
 )
@@ -90,10 +92,13 @@ _TOLERANCES = {
 
 def tolerance(strategy: str, dtype: torch.dtype) -> Tolerance | None:
     """The tolerance against the for-loop for ``strategy`` in ``dtype``; None means bit-exact."""
-    if strategy == "in_backward_grouped_foreach":
+    if strategy in ("in_backward_grouped_foreach", "in_backward_bucketed"):
         strategy = "foreach"
     return _TOLERANCES.get((strategy, dtype))
 
+
+# in_backward_bucketed's buckets: DDP's default bucket_cap_mb
+BUCKET_CAP_MB = 25
 
 Snapshot = dict[str, torch.Tensor]  # "name" and "name/state_key" -> value after a step
 
@@ -218,10 +223,13 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
         opt = cls(model.parameters(), **{**kwargs, **impl})
         return Started(lambda: stepped(opt), lambda p: opt.state.get(p, {}), nothing, params)
     if strategy.startswith("in_backward"):
+        bucketed = strategy == "in_backward_bucketed"
+        cap = kwargs.get("bucket_cap_mb", BUCKET_CAP_MB) if bucketed else None  # kwargs may
+        options = {k: v for k, v in kwargs.items() if k != "bucket_cap_mb"}  # carry the cap
         opt = OptimizerInBackward(
             model, cls, accumulation_steps=accumulation,
-            grouped=strategy != "in_backward",
-            **{**kwargs, "foreach": strategy.endswith("foreach")},
+            grouped=strategy.startswith("in_backward_grouped"), bucket_cap_mb=cap,
+            **{**options, "foreach": bucketed or strategy.endswith("foreach")},
         )
         return Started(nothing, lambda p: opt.state.get(p, {}), opt.remove, params)
     if strategy == "zero2":  # kwargs may carry bucket_numel
@@ -317,7 +325,8 @@ def live_gradients(
     parameter's gradient is accumulated. A gradient counts as alive while ``p.grad`` is set or
     while the storage that arrived for it still exists (so a reference kept elsewhere counts).
     The optimizer in backward frees each gradient as soon as it is stepped, so it should never
-    hold more than one parameter's (per-parameter) or one module's (grouped) at a time.
+    hold more than one parameter's (per-parameter), one module's (grouped) or one bucket's
+    (bucketed) at a time, besides the one arriving.
     """
     counts: list[int] = []
     with training(spec, optimizer_class, kwargs, strategy) as run:

@@ -20,7 +20,8 @@ from hookbench.workload import Workload
 __all__ = ["MEMORY_STRATEGIES", "memory_section", "render", "zero2_section"]
 
 
-MEMORY_STRATEGIES = ("foreach", "forloop", "fused", "in_backward", "in_backward_grouped_foreach")
+MEMORY_STRATEGIES = ("foreach", "forloop", "fused", "in_backward", "in_backward_grouped_foreach",
+                     "in_backward_bucketed")
 
 
 def memory_section(results: list[MemoryResult],

@@ -108,6 +108,22 @@ def test_grouped_foreach_matches_standard_foreach(spec, opt, n, k):
     assert result.ok, result.verdict()
 
 
+# Bucket caps: a few hundred bytes cut a tiny spec into several buckets (one per parameter at
+# the smallest), 25 MiB (DDP's default) holds it whole.
+CAPS = st.sampled_from([1e-5, 2e-4, 1e-3, 25])
+
+
+@given(spec=tiny_specs(), opt=optimizers(), n=steps, k=accumulations, cap=CAPS)
+def test_bucketed_is_bit_exact_with_standard_foreach(spec, opt, n, k, cap):
+    # Each bucket is one foreach step over its parameters: the foreach kernels compute every
+    # element as the standard foreach step over all parameters does, so bit for bit.
+    cls, kw = opt
+    expected = trajectory(spec, cls, kw, "foreach", steps=n, accumulation=k)
+    result = compare(trajectory(spec, cls, {**kw, "bucket_cap_mb": cap}, "in_backward_bucketed",
+                                steps=n, accumulation=k), expected)
+    assert result.bit_exact, result.verdict()
+
+
 @given(spec=tiny_specs(), opt=optimizers(), n=steps)
 def test_same_trajectory_as_torch_apply_optimizer_in_backward(spec, opt, n):
     cls, kw = opt
@@ -192,6 +208,11 @@ def test_gradients_are_freed_as_soon_as_stepped(family):
     # Per parameter: only the arriving gradient; grouped: one Linear's weight and bias.
     assert live_gradients(spec, cls, kw, "in_backward") == (1, 0)
     assert live_gradients(spec, cls, kw, "in_backward_grouped") == (2, 0)
+    # Bucketed, cut at 320 B from the back: [8.bias, 8.weight, 6.bias, 4.bias] (172 B),
+    # [4.weight, 2.bias], [2.weight (tied: 6.weight)]. At most a bucket's gradients and the one
+    # arriving: 4.weight arrives while the first bucket waits for 4.bias.
+    bucketed = {**kw, "bucket_cap_mb": 320 / 2**20}
+    assert live_gradients(spec, cls, bucketed, "in_backward_bucketed") == (4, 0)
 
 
 def test_live_gradient_check_catches_a_hook_that_fires_too_early():
@@ -401,6 +422,17 @@ def test_registering_twice_on_one_model_is_refused():
             OptimizerInBackward(model, torch.optim.SGD, lr=1e-2)
         assert _hooks(model) == hooks == [1] * len(hooks)
     OptimizerInBackward(model, torch.optim.SGD, lr=1e-2).remove()  # free again after removal
+
+
+def test_bucket_misuse_is_refused_before_anything_changes():
+    model = TinySpec(depth=2).build()
+    for options, words in [({"bucket_cap_mb": 0}, "must be a positive number of MiB"),
+                           ({"bucket_cap_mb": True}, "must be a positive number of MiB"),
+                           ({"bucket_cap_mb": float("inf")}, "must be a positive number"),
+                           ({"bucket_cap_mb": 1, "grouped": True}, "pass one of them")]:
+        with pytest.raises(ValueError, match=words):
+            OptimizerInBackward(model, torch.optim.Adam, lr=1e-2, **options)
+        assert _hooks(model) == [0] * len(_hooks(model))
 
 
 def test_clip_grad_norm_is_refused_with_advice():
@@ -696,7 +728,8 @@ def test_other_optimizer_classes_are_bit_exact(name, grouped):
 
 @pytest.mark.benchmark(group="adam-step")
 @pytest.mark.parametrize(
-    "strategy", ["forloop", "foreach", "in_backward", "in_backward_grouped_foreach"])
+    "strategy", ["forloop", "foreach", "in_backward", "in_backward_grouped_foreach",
+                 "in_backward_bucketed"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_benchmark_step_time(benchmark, strategy, device):
     # BENCHMARK_MLP (~0.8M parameters): one training step per round, the same number of rounds
