@@ -4,12 +4,17 @@ gates, benchmark ratios and the hook-leak guard. What a user's suite gets too (t
 
 Test tiers (markers are registered in pyproject.toml and enforced with --strict-markers):
 
-    pytest                              everything this machine can run (GPU tests skip), ~8.5 min
-    pytest -m "not slow"                the quick loop while developing
-    pytest -m gpu                       the GPU tier; needs CUDA, each test skips with a reason
+    pytest -m smoke                     the smoke tier: each mechanism's parity, a fault each
+                                        must catch, the command line; under a minute
+    pytest                              the default tier: all but what is marked slow and the
+                                        benchmarks; under 5 minutes on 2 cores with CI=true
+    pytest -m slow                      the slow tier: end-to-end fault runs, the gate's
+                                        self-check, large models, other world sizes
+    pytest -m ""                        both
+    pytest -m gpu --benchmark-enable    the GPU tier; needs CUDA, each test skips with a reason
     pytest -m distributed               tests that spawn torch.distributed worker processes
     pytest --hypothesis-profile thorough    property tests with many more examples
-    pytest --benchmark-only             only the pytest-benchmark benchmarks
+    pytest --benchmark-only             the benchmark tier: only the pytest-benchmark benchmarks
     pytest --benchmark-compare          compare with the newest run stored in baselines/benchmarks
     pytest --hookbench-fault NAME       the suite with a PyTorch fault injected: it must fail
     tox -e torch24 (torch28, torch211, torch213, torch215)
@@ -85,6 +90,9 @@ RATIOS = (
      1.10),
     ("ZeRO-2 on 2 gloo ranks / foreach step", "adam-step", "zero2", "foreach", None),
     ("ZeRO-2 step, hookbench / DeepSpeed stage 2", "zero2-peer", "hookbench", "deepspeed", 1.0),
+    *((f"whole step {model}, in backward / standard, {impl}", f"whole-step-{model}",
+       f"in_backward-{impl}", f"standard-{impl}", 1.02)
+      for model in ("vit_b_16", "transformer") for impl in ("forloop", "foreach", "fused")),
     ("capture, statistics rms+mean_abs / plain forward", "resnet18-capture",
      "stats_rms_mean_abs", "plain", 1.25),
     ("capture, all 8 statistics / plain forward", "resnet18-capture", "stats", "plain", None),
@@ -137,7 +145,24 @@ def _torchvision_missing() -> str | None:
     return None
 
 
+# A run that asks nothing of pytest-benchmark leaves the benchmarks out (deselected): they are
+# the benchmark tier, `pytest --benchmark-only`, whose timings a test run on a shared machine
+# would only spend time on. Any of these options brings them back.
+_BENCHMARK_OPTIONS = ("benchmark_only", "benchmark_enable", "benchmark_disable", "benchmark_save",
+                      "benchmark_autosave", "benchmark_compare", "benchmark_json",
+                      "benchmark_histogram")
+
+
+def _benchmarks_asked_for(config: pytest.Config) -> bool:
+    return any(config.getoption(o, None) for o in _BENCHMARK_OPTIONS)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not _benchmarks_asked_for(config):
+        benchmarks = [i for i in items if "benchmark" in getattr(i, "fixturenames", ())]
+        if benchmarks:
+            config.hook.pytest_deselected(items=benchmarks)
+            items[:] = [i for i in items if i not in benchmarks]
     # The one place that gates the GPU tier (@pytest.mark.gpu, @pytest.mark.gpu(count=2)) and
     # the tests of torchvision's models (@pytest.mark.torchvision; absent beside torch 2.13).
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0

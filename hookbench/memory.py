@@ -177,6 +177,16 @@ class MemoryResult:
     device: dict[str, Any] = field(default_factory=dict)  # cuda: allocator, NVML, snapshot
 
     @property
+    def few_gradients_alive(self) -> bool:
+        """Whether the step held fewer gradients at once than a standard step: not every one;
+        bucketed in backward, at most a bucket and the one arriving (two of the largest
+        bucket, as no parameter is larger than its bucket), which is every gradient of a model
+        smaller than a bucket, as with DDP."""
+        if self.strategy == "in_backward_bucketed":
+            return self.gradients_alive_max <= 2 * self.floor_breakdown["gradients_needed"]
+        return self.gradients_alive_max < self.all_gradients
+
+    @property
     def above_floor(self) -> float:
         """(peak - floor) / floor: how far the step is from the least it could need."""
         return self.peak / self.floor - 1

@@ -12,6 +12,7 @@ Strategies:
     in_backward_grouped          OptimizerInBackward(grouped=True), for-loop
     in_backward_grouped_foreach  the grouped mode with the foreach kernels inside each module
     in_backward_bucketed         OptimizerInBackward(bucket_cap_mb=25), foreach in each bucket
+                                 (or the kwargs' foreach=False / fused=True)
     peer                         torch.distributed.optim._apply_optimizer_in_backward (k=1 only)
     zero2                        hookbench.zero2.Zero2 (needs an initialized process group)
 """
@@ -226,10 +227,12 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
         bucketed = strategy == "in_backward_bucketed"
         cap = kwargs.get("bucket_cap_mb", BUCKET_CAP_MB) if bucketed else None  # kwargs may
         options = {k: v for k, v in kwargs.items() if k != "bucket_cap_mb"}  # carry the cap
+        implementation = ({} if bucketed and {"foreach", "fused"} & set(options)
+                          else {"foreach": bucketed or strategy.endswith("foreach")})
         opt = OptimizerInBackward(
             model, cls, accumulation_steps=accumulation,
             grouped=strategy.startswith("in_backward_grouped"), bucket_cap_mb=cap,
-            **{**options, "foreach": bucketed or strategy.endswith("foreach")},
+            **{**options, **implementation},
         )
         return Started(nothing, lambda p: opt.state.get(p, {}), opt.remove, params)
     if strategy == "zero2":  # kwargs may carry bucket_numel

@@ -45,8 +45,12 @@ def memory_section(results: list[MemoryResult],
     standard = next((r for r in results if r.strategy == "foreach"), None)
     for r in results:
         in_backward = r.strategy.startswith("in_backward")
-        ok = not in_backward or ((standard is None or r.peak <= standard.peak)
-                                 and r.gradients_alive_max < r.all_gradients)
+        # Bucketed, a bucket steps inside backward, beside what the last node still holds: on
+        # a model smaller than a bucket (the transformer) that is the standard step plus 1 KiB
+        # (one activation and one temporary of 512 B), hence 0.1%.
+        slack = 1.001 if r.strategy == "in_backward_bucketed" else 1.0
+        ok = not in_backward or ((standard is None or r.peak <= standard.peak * slack)
+                                 and r.few_gradients_alive)
         section.add(
             ok, r.strategy, f"{r.peak / 1e9:.3f}",
             *(f"{r.peak_breakdown[c] / 1e9:.3f}" for c in CATEGORIES),
@@ -149,7 +153,7 @@ def zero2_section(spec: Workload, backend: str, standard: MemoryResult | None,
                             optimizer_kwargs={"lr": 1e-3, "bucket_numel": ZERO2_BUCKET, **extra})
                 bound = zero2_bound(r, n, mixed=bool(extra))
                 ok = (r.peak <= bound * (1 + ZERO2_SLACK)
-                      and r.gradients_alive_max < r.all_gradients)
+                      and r.few_gradients_alive)
                 beside = "" if standard is None or fused is None or extra else (
                     f"; one device: foreach {standard.peak / 1e9:.3f}, in backward "
                     f"{fused.peak / 1e9:.3f}")

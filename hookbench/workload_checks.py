@@ -204,7 +204,7 @@ def memory(workload: Workload) -> dict[str, dict[str, Any]]:
             if strategy == "in_backward" and standard is not None and r.peak > standard.peak:
                 problems.append(f"costs memory: peak {r.peak} B > the standard step's "
                                 f"{standard.peak} B")
-            if strategy != "foreach" and r.gradients_alive_max >= r.all_gradients > 0:
+            if strategy != "foreach" and r.all_gradients > 0 and not r.few_gradients_alive:
                 problems.append(f"holds every gradient at once ({r.gradients_alive_max} B)")
             return {"peak": r.peak, "breakdown": r.peak_breakdown,
                     "gradients_alive_max": r.gradients_alive_max, "problems": problems}

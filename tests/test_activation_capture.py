@@ -58,6 +58,7 @@ def vit_b_16(torchvision):
 
 
 @pytest.mark.torchvision
+@pytest.mark.smoke
 def test_resnet18_records_every_call(resnet18):
     with ActivationCapture(resnet18) as cap:
         resnet18(IMAGE)
@@ -225,6 +226,7 @@ class _Whole(torch.Tensor):
 
 @pytest.mark.parametrize("path", ["cpu buffers", "whole tensor, as on GPU"])
 @pytest.mark.parametrize("case", list(ADVERSARIAL))
+@pytest.mark.smoke
 def test_statistics_match_torch_float64_on_adversarial_data(case, path):
     x = ADVERSARIAL[case]
     got = statistics(x if path == "cpu buffers" else x.as_subclass(_Whole))
@@ -285,6 +287,7 @@ def _old_float32_std(x: torch.Tensor) -> float:
 ], ids=["old std, mean 1e4", "old std, mean 1", "float32 l2 overflows",
         "float32 sum overflows", "float32 squares underflow", "int64 as float32 (mean)",
         "int64 as float32 (max)"])
+@pytest.mark.smoke
 def test_the_comparison_rejects_float32_statistics(case, stat, faulty):
     # The check above can fail: each faulty float32 statistic, put in place of the capture's on
     # a case it passes, is rejected, and only that one.

@@ -118,6 +118,7 @@ def test_coord_check_bad_input_is_one_line_and_exit_2(capsys, tmp_path, argv, me
     assert not any(tmp_path.iterdir())  # nothing written
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_zero2_demo_prints_per_rank_memory_and_parity(capsys):
     assert main(["zero2", "--nproc", "2", "--steps", "2"]) == 0
@@ -165,6 +166,7 @@ def test_report_zero2_rows_are_judged_against_their_bound(monkeypatch):
     assert all("fails above 1.02x" in cells[-1] for cells in failed)
 
 
+@pytest.mark.smoke
 def test_capture_of_modules_that_never_run_is_one_line_and_exit_2(capsys):
     # nn.MultiheadAttention's fast path bypasses out_proj's forward (pytorch#78109).
     out_proj = "encoder.layers.encoder_layer_0.self_attention.out_proj"

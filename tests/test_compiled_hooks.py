@@ -13,7 +13,9 @@ from hookbench import compiled_hooks
 from hookbench.compiled_hooks import BACKENDS, CHECKS, EXPLAINED, run_all
 from hookbench.faults import inject
 
-pytestmark = pytest.mark.slow  # run_all compiles: ~10 s with a warm inductor cache, ~30 s cold
+# run_all over every backend compiles with inductor: ~10 s with a warm cache, ~30 s cold; the
+# tests that read it are the slow tier. The default tier runs the eager backend's forward-hook
+# checks alone (test_the_eager_backend_keeps_forward_hooks), which the fault breaks too.
 
 _TORCH = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
@@ -119,6 +121,7 @@ def run() -> dict[str, Any]:
     return {"outcomes": outcomes, "before": before, "after": _global_state()}
 
 
+@pytest.mark.slow
 def test_outcomes_are_the_pinned_ones(run):
     outcomes = run["outcomes"]
     assert list(outcomes) == [f"{b}/{c}" for b in BACKENDS for c in CHECKS]
@@ -127,6 +130,7 @@ def test_outcomes_are_the_pinned_ones(run):
                                   for k, (now, pin) in changed.items())
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_TORCH < (2, 5), reason="EXPLAINED describes torch 2.14.1; torch 2.4's "
                                             "other differences are pinned with comments here")
 def test_every_difference_is_explained_and_every_explanation_used(run):
@@ -135,12 +139,14 @@ def test_every_difference_is_explained_and_every_explanation_used(run):
     assert all(EXPLAINED[k].strip() for k in differing)
 
 
+@pytest.mark.slow
 def test_nothing_raised(run):
     # A check that raises is an outcome too ("raised Type: message"), but none does on the
     # releases pinned above.
     assert not [v for v in run["outcomes"].values() if v and v.startswith(("raised", "eager "))]
 
 
+@pytest.mark.slow
 def test_run_all_leaves_no_global_state(run):
     before, after = run["before"], run["after"]
     for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
@@ -151,6 +157,21 @@ def test_run_all_leaves_no_global_state(run):
         changed.append([k for k, v in before["dynamo config"].items()
                         if after["dynamo config"].get(k) != v])
     assert not changed
+
+
+FORWARD_CHECKS = ("forward_hooks", "activation_capture")
+
+
+@pytest.mark.smoke
+def test_the_eager_backend_keeps_forward_hooks():
+    """The default tier's guard of forward hooks under torch.compile: the eager backend (dynamo
+    without inductor, a second or two) against eager, as pinned; the fault
+    compiled_module_skips_forward_hooks breaks it (test_faults.py runs the suite under it)."""
+    got = run_all(backends=("eager",), checks=FORWARD_CHECKS)
+    assert got == {f"eager/{c}": _pinned()[f"eager/{c}"] for c in FORWARD_CHECKS}
+    with inject("compiled_module_skips_forward_hooks"):
+        faulty = run_all(backends=("eager",), checks=FORWARD_CHECKS)
+    assert all(faulty[k] is not None for k in got), faulty
 
 
 # -- a check that raises -----------------------------------------------------------------------
@@ -168,6 +189,7 @@ def test_a_check_that_raises_is_an_outcome_with_the_address_masked(monkeypatch):
 # -- the fault ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_checks_see_compiled_modules_skipping_forward_hooks(run):
     checks = ("forward_hooks", "activation_capture")
     with inject("compiled_module_skips_forward_hooks"):

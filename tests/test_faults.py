@@ -103,17 +103,33 @@ def test_unknown_fault_is_refused():
             pass
 
 
-# The tests a fault must turn red when the whole suite runs under it (``--hookbench-fault``):
-# for a hook fault, the mechanism's own numerics and memory checks; for an upgrade fault, the
-# check of its gate section against the committed baseline.
+# For every fault, default-tier tests it must turn red when the suite runs under it
+# (``--hookbench-fault``): for a hook fault, the mechanism's own numerics and memory checks;
+# for another, the check that guards what it breaks. The run uses the default tier's marker
+# expression, so a selection that is all slow collects nothing and fails this test.
 SUITE_UNDER_FAULT = {
     **{fault: ("tests/test_optimizer_in_backward.py",
                "bit_exact_with_forloop or freed_as_soon_as_stepped") for fault in HOOK_FAULTS},
+    "removal_does_nothing": ("tests/test_hook_contract.py", "test_contract"),
+    "optimizer_arithmetic_changed": ("tests/test_optimizer_in_backward.py",
+                                     "float64_reference_of_the_update_rule"),
+    "collective_wrong_slice": ("tests/test_zero2.py", "parity_with_single_process_training"),
+    "collective_low_precision": ("tests/test_zero2.py", "parity_with_single_process_training"),
+    "private_module_missing": ("tests/test_gate.py", "by_category and transformer"),
+    "private_api_changed": ("tests/test_memory.py", "about_6_gb"),
+    "tracker_misses_allocations": ("tests/test_gate.py", "by_category and transformer"),
+    "reduce_scatter_ignores_op": ("tests/test_collectives.py",
+                                  "every_pair_matches_the_hand_computation"),
     "step_dtype_changed": ("tests/test_checkpoints.py", "committed_checkpoints_resume"),
     "checkpoint_key_renamed": ("tests/test_checkpoints.py", "committed_checkpoints_resume"),
     "new_warning": ("tests/test_emitted_warnings.py", "every_run_emits"),
-    "compiled_module_skips_forward_hooks": ("tests/test_compiled_hooks.py", "pinned_ones"),
+    "compiled_module_skips_forward_hooks": ("tests/test_compiled_hooks.py",
+                                            "eager_backend_keeps_forward_hooks"),
 }
+
+
+def test_every_fault_has_default_tier_tests_that_it_must_fail():
+    assert set(SUITE_UNDER_FAULT) == set(FAULTS)
 
 
 @pytest.mark.slow

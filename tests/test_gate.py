@@ -35,6 +35,7 @@ def _judge(base, now):
 # -- the committed baseline holds on the installed torch ------------------------------------------
 
 
+@pytest.mark.smoke
 def test_hook_behaviour_and_trajectories_match_the_baseline(base):
     sections = _judge(base, gate.measure_all(("hooks", "numerics")))
     assert all(s.ok for s in sections.values()), render(list(sections.values()))
@@ -43,7 +44,9 @@ def test_hook_behaviour_and_trajectories_match_the_baseline(base):
         assert all(cells[-1].startswith("identical") for cells, _ in sections["numerics"].rows)
 
 
-@pytest.mark.parametrize("model", gate.MODELS)
+# ViT-B/16 (11 s) is the slow tier's: the default tier keeps a transformer and a CNN.
+@pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.slow) if m == "vit_b_16"
+                                   else m for m in gate.MODELS])
 def test_peak_memory_by_category_within_1_percent_of_the_baseline(base, model):
     section = _judge(base, {"memory": gate._memory((model,), "fake")})["memory"]
     assert section.ok, render([section])
@@ -52,6 +55,7 @@ def test_peak_memory_by_category_within_1_percent_of_the_baseline(base, model):
 # -- each check fails, naming both numbers --------------------------------------------------------
 
 
+@pytest.mark.smoke
 def test_a_kept_gradient_exceeds_the_memory_baseline_naming_both_numbers(base):
     with inject("keeps_gradients_alive"):
         now = gate._memory(("transformer",), "fake")

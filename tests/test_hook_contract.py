@@ -13,6 +13,7 @@ from hookbench.hook_contract import (
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+@pytest.mark.smoke
 def test_contract(check):
     check()
 

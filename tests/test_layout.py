@@ -102,6 +102,7 @@ def _upward(graph: dict[str, set[str]]) -> list[str]:
                   for a, imported in graph.items() for b in imported if LAYER[b] > LAYER[a])
 
 
+@pytest.mark.smoke
 def test_every_module_has_a_layer_and_imports_point_down():
     graph = _graph()
     assert sorted(set(graph) - set(LAYER)) == []  # a new module is placed on purpose

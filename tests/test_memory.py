@@ -99,7 +99,8 @@ def test_standard_forloop_and_fused_steps_have_their_own_breakdown(vit_l, vit_l_
         assert 4.8 * GB <= r.peak <= 5.0 * GB, strategy
 
 
-@pytest.mark.parametrize("strategy", ["in_backward", "in_backward_grouped_foreach"])
+@pytest.mark.parametrize("strategy",
+                         ["in_backward", "in_backward_grouped_foreach", "in_backward_bucketed"])
 def test_optimizer_in_backward_is_about_4_gb(vit_l, strategy):
     r = vit_l(strategy)
     assert check_fused_into_backward(r, vit_l("foreach")) == []
@@ -165,6 +166,7 @@ def test_a_floor_that_a_step_can_beat_is_caught():
 
 @pytest.mark.parametrize("name", ["resnet18", "transformer"])
 @pytest.mark.parametrize("strategy", ["foreach", "in_backward"])
+@pytest.mark.smoke
 def test_fake_and_real_tensors_give_the_same_bytes(name, strategy):
     fake = measure(zoo_workload(name), strategy, backend="fake")
     real = measure(zoo_workload(name), strategy, backend="eager")

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hookbench import gate
 from hookbench.faults import inject
 from hookbench.memory import measure
 from hookbench.optimizer_in_backward import OptimizerInBackward
@@ -24,6 +25,7 @@ from hookbench.parity import (
     trajectory,
 )
 from hookbench.zoo import ACTIVATIONS, BENCHMARK_MLP, TinySpec
+from hookbench.zoo import workload as zoo_workload
 
 # -- strategies ---------------------------------------------------------------------------------
 
@@ -79,6 +81,7 @@ accumulations = st.integers(1, 3)
 
 @given(spec=tiny_specs(), opt=optimizers(), n=steps, k=accumulations,
        mode=st.sampled_from(["in_backward", "in_backward_grouped"]))
+@pytest.mark.smoke
 def test_in_backward_is_bit_exact_with_forloop_step(spec, opt, n, k, mode):
     # Identical arithmetic on identical gradients: parameters and state equal after every step.
     cls, kw = opt
@@ -114,6 +117,7 @@ CAPS = st.sampled_from([1e-5, 2e-4, 1e-3, 25])
 
 
 @given(spec=tiny_specs(), opt=optimizers(), n=steps, k=accumulations, cap=CAPS)
+@pytest.mark.smoke
 def test_bucketed_is_bit_exact_with_standard_foreach(spec, opt, n, k, cap):
     # Each bucket is one foreach step over its parameters: the foreach kernels compute every
     # element as the standard foreach step over all parameters does, so bit for bit.
@@ -199,6 +203,7 @@ def test_sgd_and_adam_follow_a_float64_reference_of_the_update_rule(spec, opt, n
 
 
 @pytest.mark.parametrize("family", ["sgd", "adam"])
+@pytest.mark.smoke
 def test_gradients_are_freed_as_soon_as_stepped(family):
     cls, kw = FAMILIES[family]
     spec = TinySpec(depth=4, width=8, tied=True, frozen=True)
@@ -215,6 +220,7 @@ def test_gradients_are_freed_as_soon_as_stepped(family):
     assert live_gradients(spec, cls, bucketed, "in_backward_bucketed") == (4, 0)
 
 
+@pytest.mark.smoke
 def test_live_gradient_check_catches_a_hook_that_fires_too_early():
     # Fault: the hook runs before accumulation, so nothing is freed during backward and the
     # end-of-backward flush steps everything at once; numerics survive, the memory saving not.
@@ -747,3 +753,24 @@ def test_benchmark_step_time(benchmark, strategy, device):
     with training(spec, cls, kw, strategy, device=device) as run:
         run.step(0)  # Adam creates its state lazily: time the steady state
         benchmark.pedantic(lambda: (run.step(1), sync()), rounds=100, warmup_rounds=5)
+
+
+# The whole step of a real model, per implementation: ViT-B/16 and the transformer, batch 2,
+# Adam; the standard step and the optimizer in backward (bucketed as DDP buckets, 25 MiB) of
+# each implementation. conftest.py prints each pair's ratio; `hookbench gate` times the
+# transformer's pairs interleaved (its time section), gate.whole_step_ratios any model's.
+WHOLE_STEP_ROUNDS = {"transformer": 20, "vit_b_16": 5}  # ViT-B/16: ~1.5 s a step on 2 cores
+
+
+@pytest.mark.parametrize("strategy", ["standard", "in_backward"])
+@pytest.mark.parametrize("impl", list(gate.IMPLEMENTATIONS))
+@pytest.mark.parametrize("model", list(WHOLE_STEP_ROUNDS))
+def test_benchmark_whole_step(benchmark, model, impl, strategy):
+    spec, (cls, kw) = zoo_workload(model, batch_size=2), FAMILIES["adam"]
+    benchmark.group = f"whole-step-{model}"
+    benchmark.extra_info.update(strategy=f"{strategy}-{impl}", device="cpu")
+    name = impl if strategy == "standard" else "in_backward_bucketed"
+    with training(spec, cls, {**kw, **gate.IMPLEMENTATIONS[impl]}, name) as run:
+        run.step(0)  # Adam's state exists from here on: the steady state
+        benchmark.pedantic(lambda: run.step(1), rounds=WHOLE_STEP_ROUNDS[model],
+                           warmup_rounds=1)

@@ -293,7 +293,7 @@ def test_vit_with_dropout_identical():
 
 @pytest.mark.torchvision
 @pytest.mark.parametrize("strategy", MEMORY_STRATEGIES)
-@pytest.mark.parametrize("name", ["resnet18", "vit_b_16"])
+@pytest.mark.parametrize("name", ["resnet18", pytest.param("vit_b_16", marks=pytest.mark.slow)])
 def test_fake_memory_identical(name, strategy):
     """The upgrade gate's memory row, and every allocation before it (the whole timeline)."""
     ours, theirs = gate_measure(zoo_workload(name), strategy), gate_measure(TorchvisionSpec(name),
@@ -347,6 +347,7 @@ print(json.dumps({"counts": counts, "peak": peak, "loaded": loaded, "blocked": b
 """
 
 
+@pytest.mark.slow  # a subprocess that imports torch with torchvision blocked
 def test_zoo_builds_without_torchvision():
     """With torchvision's import made to fail, the zoo builds all three models (ViT-L on the
     meta device) with their known parameter counts, and the fake backend measures resnet18."""

@@ -48,14 +48,18 @@ def _cases(world):
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """Per world size: the cases and every rank's results, from one spawn of the ranks."""
+def runs(request):
+    """Per world size: the cases and every rank's results, from one spawn of the ranks. Under
+    ``--hookbench-fault`` the ranks run every case under that fault too (a case's own fault
+    first), so that the suite fails under it as in one process."""
     cache = {}
+    session_fault = request.config.getoption("--hookbench-fault")
 
     def get(world):
         if world not in cache:
             cases = _cases(world)
-            cache[world] = cases, launch.run(zero2_runs.trajectories, world, cases, timeout=240)
+            ran = [{**c, "fault": c.get("fault") or session_fault} for c in cases]
+            cache[world] = cases, launch.run(zero2_runs.trajectories, world, ran, timeout=240)
         return cache[world]
 
     return get
@@ -82,7 +86,12 @@ def _reference(case):
     return steps
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+# 2 ranks in the default tier; 1 and 3 (a shard that cuts parameters in two) in the slow one.
+WORLDS = [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.smoke),
+          pytest.param(3, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
 def test_parity_with_single_process_training(runs, world):
     cases, results = runs(world)
     for i, case in enumerate(cases):
@@ -112,7 +121,7 @@ def test_parity_with_single_process_training(runs, world):
                                            rtol=TOL.rtol, atol=TOL.atol)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 def test_gradients_released_and_each_hook_fired_once(runs, world):
     cases, results = runs(world)
     for i, case in enumerate(cases):
@@ -161,6 +170,7 @@ def test_release_checks_catch_a_hook_that_stops_firing():
 
 
 @pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.smoke
 def test_injected_faults_are_caught(runs, fault):
     cases, results = runs(2)
     i = next(i for i, c in enumerate(cases) if c.get("fault") == fault)
@@ -371,6 +381,7 @@ def test_fp16_check_catches_a_step_taken_through_an_overflow(one_gloo_rank, monk
     assert bad["loss_scales"] != ref["scales"]
 
 
+@pytest.mark.slow  # ViT-B/16 at N = 8, twice; the report checks the bf16 bound on every run
 def test_mixed_precision_memory_is_the_zero_papers():
     """Rank 0 of 8 on ViT-B/16: bf16 parameters (2 Psi), fp32 masters and Adam's moments of
     its pieces (12 Psi / N), as the paper counts optimizer state (K = 12)."""
@@ -389,6 +400,7 @@ def test_mixed_precision_memory_is_the_zero_papers():
 BUCKET = 2**22  # elements: 16 MiB of fp32 gradients
 
 
+@pytest.mark.slow  # ViT-L/16; the report's rows check the bound at N = 2, 8, 64 on every run
 @pytest.mark.parametrize("world", [2, 64])
 def test_vit_l_memory_per_rank_follows_the_zero_formula(world):
     # Rank 0 of N simulated in this process: fake tensors and a fake process group.
@@ -421,6 +433,7 @@ def test_vit_l_memory_per_rank_follows_the_zero_formula(world):
     assert r.peak == sum(b.values())
 
 
+@pytest.mark.slow
 def test_real_gloo_ranks_agree_with_the_simulation():
     spec, kw = zoo_workload("transformer"), {"lr": 1e-3, "bucket_numel": 4096}
     real = launch.run(zero2_runs.rank_memory, 2, spec, kw, timeout=120)

@@ -9,6 +9,10 @@ from hookbench import zero_paper
 from hookbench.faults import inject
 
 
+# A 7.5 B-parameter step per row on fake tensors (~30 s in all): the slow tier.
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def rows():
     # N = 1 and 64: the paper's 120, 31.4 and 16.6 GB (8 and 1024 are in the README's run).
