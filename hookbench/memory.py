@@ -316,7 +316,7 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         loss = spec.compute_loss(model, x, y)
         classify()
         tracker.phase = "backward"
-        loss.backward()
+        (loss if started.scale is None else started.scale(loss)).backward()  # fp16 ZeRO-2
         del loss
         classify()
         after_backward.clear()

@@ -130,7 +130,7 @@ def training(
     started = start(strategy, model, optimizer_class, kwargs, accumulation, scaler)
     try:
         yield Training(workload, model, accumulation, started.step, started.state_of, device,
-                       scaler)
+                       started.scale or (scaler and scaler.scale))
     finally:
         started.close()
 
@@ -143,7 +143,7 @@ class Training:
     _step: Callable[[], None]
     state_of: Callable[[torch.Tensor], dict]
     device: str | torch.device = "cpu"
-    scaler: torch.amp.GradScaler | None = None
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None  # the loss's, before backward
 
     def step(self, index: int) -> None:
         """One optimizer step: ``accumulation`` forward/backward passes on batches of ``index``."""
@@ -156,7 +156,7 @@ class Training:
         for x, y in batches:
             loss = self.workload.compute_loss(self.model, to_device(x, self.device),
                                               y.to(self.device)) / len(batches)
-            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+            (loss if self.scale is None else self.scale(loss)).backward()
         self._step()
 
     def snapshot(self) -> Snapshot:
@@ -201,6 +201,8 @@ class Started(NamedTuple):
     optimized: list[torch.Tensor]  # the tensors the optimizer steps (ZeRO-2: shard pieces)
     # gradients the strategy holds outside any .grad (ZeRO-2: the shard's gradient buffers)
     held: Callable[[], list[torch.Tensor]] = lambda: []
+    # its own loss scaling (ZeRO-2 in fp16), in place of the workload's GradScaler
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
@@ -237,10 +239,13 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
         return Started(nothing, lambda p: opt.state.get(p, {}), opt.remove, params)
     if strategy == "zero2":  # kwargs may carry bucket_numel
         zero = Zero2(model, cls, **{"foreach": False, **kwargs})
-        return Started(lambda: stepped(zero), lambda p: zero.optimizer.state.get(p, {}),
+        own = zero.loss_scale is not None  # fp16: its own loss scaling, not a GradScaler's
+        return Started((lambda: (zero.step(), zero.zero_grad())) if own else
+                       (lambda: stepped(zero)), lambda p: zero.optimizer.state.get(p, {}),
                        zero.remove,
                        [piece for f in zero.flats for _, piece, _, _ in f.owned],
-                       lambda: [f.grad for f in zero.flats if f.grad is not None])
+                       lambda: [f.grad for f in zero.flats if f.grad is not None],
+                       zero.scale if own else None)
     # The peer keeps its optimizers and hook handles in module-level maps and attributes.
     from torch.distributed.optim import apply_optimizer_in_backward as peer
 

@@ -421,7 +421,9 @@ class Zero2:
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the shard gradients so that the global gradient's norm is at most
         ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` over the full gradients would;
-        returns the global norm. A collective: every rank must call it, after backward."""
+        returns the global norm. A collective: every rank must call it, after backward. In
+        mixed precision the factor is applied to the fp32 gradients by the next ``step()``,
+        and the norm is the unscaled gradient's (fp16 loss scaling)."""
         if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or max_norm <= 0:
             raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
         norm_type = float(norm_type)
@@ -439,8 +441,11 @@ class Zero2:
             total = total ** (1.0 / norm_type)
         if self.loss_scale is not None:  # the norm of the unscaled gradient
             total = total * self.loss_scale.double().reciprocal().float()
+        if self._clip_coef is not None:  # clipped before: the norm of the clipped gradient
+            total = total * self._clip_coef
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # torch's own formula
-        if self._convert:  # applied to the fp32 gradients in step(): no rounding to reduce_dtype
+        if self._convert:  # applied to the fp32 gradients by the next step(): they exist only
+            # there, a bucket at a time, and the shard's gradient is not rounded twice
             self._clip_coef = coef if self._clip_coef is None else self._clip_coef * coef
         else:
             for g in grads:
@@ -496,6 +501,7 @@ class Zero2:
             # step holds no shard-sized copy
             if self._collectives:
                 _all_gather(flat.buffer, flat.shard, group=self.group)
+        self._clip_coef = None  # consumed by this step
         if self.loss_scale is not None:
             self._update_scale(found_inf=False)
 

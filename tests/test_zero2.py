@@ -381,6 +381,17 @@ def test_fp16_check_catches_a_step_taken_through_an_overflow(one_gloo_rank, monk
     assert bad["loss_scales"] != ref["scales"]
 
 
+def test_fp16_memory_is_bf16s_and_its_loss_scale():
+    """fp16 parameters and gradients take what bf16's do; its loss scaling adds one fp32
+    scalar (512 B as the allocator rounds it), rank 0 of 8, the transformer."""
+    kw = {"lr": 1e-3, "bucket_numel": BUCKET}
+    bf16, fp16 = (measure(zoo_workload("transformer"), "zero2", world_size=8,
+                          optimizer_kwargs={**kw, "param_dtype": dtype})
+                  for dtype in (torch.bfloat16, torch.float16))
+    assert fp16.parameters == bf16.parameters and fp16.optimizer_state == bf16.optimizer_state
+    assert fp16.peak - bf16.peak == 512
+
+
 @pytest.mark.slow  # ViT-B/16 at N = 8, twice; the report checks the bf16 bound on every run
 def test_mixed_precision_memory_is_the_zero_papers():
     """Rank 0 of 8 on ViT-B/16: bf16 parameters (2 Psi), fp32 masters and Adam's moments of
