@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hookbench import parity
+from hookbench.optimizer_in_backward import size_buckets
 from hookbench.workload import of, to_device
 
 __all__ = ["BACKENDS", "CATEGORIES", "MemoryResult", "StorageTracker", "measure"]
@@ -387,13 +388,9 @@ def _gradients_needed(model: nn.Module, strategy: str, tracker: StorageTracker,
         return tracker.rounded(sum(p.nbytes for p in optimized))
     if strategy == "in_backward":  # one parameter's
         return max(tracker.rounded(p.nbytes) for p in model.parameters() if p.requires_grad)
-    if strategy == "in_backward_bucketed":  # the largest bucket's (cut as the mechanism cuts)
-        buckets: list[list[torch.Tensor]] = [[]]
-        for p in reversed([p for p in model.parameters() if p.requires_grad]):
-            if buckets[-1] and (sum(q.nbytes for q in buckets[-1]) + p.nbytes
-                                > parity.BUCKET_CAP_MB * 2**20):
-                buckets.append([])
-            buckets[-1].append(p)
+    if strategy == "in_backward_bucketed":  # the largest bucket's, cut as the mechanism cuts
+        buckets = size_buckets([p for p in model.parameters() if p.requires_grad],
+                               parity.BUCKET_CAP_MB)
         return max(sum(tracker.rounded(p.nbytes) for p in b) for b in buckets)
     if strategy.startswith("in_backward_grouped"):  # one module's own parameters'
         return max(sum(tracker.rounded(p.nbytes) for p in m.parameters(recurse=False)

@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakTensorKeyDictionary
 
-__all__ = ["OptimizerInBackward", "reentrant_checkpoint_in_graph", "unnamed"]
+__all__ = ["OptimizerInBackward", "reentrant_checkpoint_in_graph", "size_buckets", "unnamed"]
 
 # Which OptimizerInBackward manages a parameter; refuses a second registration on it.
 _OWNER: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
@@ -477,16 +477,11 @@ def _build_units(
     options = [{**defaults, **{k: v for k, v in g.items() if k != "params"}} for g in groups]
     group_of = {p: i for i, g in enumerate(groups) for p in g["params"] if p.requires_grad}
     buckets: dict[Any, list[torch.Tensor]] = defaultdict(list)
-    if bucket_cap_mb is not None:  # as DDP: reverse order, cut at the cap
-        cap = bucket_cap_mb * 2**20
+    if bucket_cap_mb is not None:
         for i, g in enumerate(groups):
-            size, number = 0, 0
-            for p in reversed([p for p in g["params"] if p.requires_grad]):
-                nbytes = p.numel() * p.element_size()
-                if (number, i) in buckets and size + nbytes > cap:
-                    number, size = number + 1, 0
-                buckets[(number, i)].append(p)
-                size += nbytes
+            for number, bucket in enumerate(
+                    size_buckets([p for p in g["params"] if p.requires_grad], bucket_cap_mb)):
+                buckets[(number, i)] = bucket
     elif grouped:
         seen: set = set()
         for module in model.modules():
@@ -507,6 +502,21 @@ def _build_units(
         _Unit(optimizer_class(params, **options[i]), params, first_group + i)
         for (_, i), params in buckets.items()
     ]
+
+
+def size_buckets(params: list[torch.Tensor], bucket_cap_mb: float) -> list[list[torch.Tensor]]:
+    """``params`` in buckets as DDP's ``bucket_cap_mb`` makes them: in reverse order, cut
+    where a bucket would exceed the cap (a larger parameter is a bucket of its own)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        if not buckets or size + nbytes > bucket_cap_mb * 2**20:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
 
 
 def _reorder_by_name(state_dict: dict[str, Any], groups: list[dict]) -> dict[str, Any]:
