@@ -251,8 +251,12 @@ class Lockstep:
         rank, world = dist.get_rank(), dist.get_world_size()
         self.device = _device(rank)
         self.spec = of(spec)
-        self.model = self.spec.build().to(self.device)
         self.batch = local_batch(spec, 0, rank, world, self.device)
+        self._start(optimizer_class, kwargs, bucket_numel)
+
+    def _start(self, optimizer_class: type, kwargs: dict, bucket_numel: int) -> None:
+        """Build what ``_train`` steps (a subclass builds another system's)."""
+        self.model = self.spec.build().to(self.device)
         self.zero = Zero2(self.model, optimizer_class, bucket_numel=bucket_numel, **kwargs)
 
     def _train(self) -> None:

@@ -581,12 +581,8 @@ class Lockstep(zero2_runs.Lockstep):
     """``zero2_runs.Lockstep`` with DeepSpeed's stage 2 engine in place of Zero2: training led
     by rank 0, every step on global batch 0, so that pytest-benchmark times the two alike."""
 
-    def __init__(self, spec: Any, optimizer_class: type, kwargs: dict, bucket_numel: int):
-        rank, world = dist.get_rank(), dist.get_world_size()
-        self.device = "cpu"
-        self.spec = of(spec)
-        self.batch = zero2_runs.local_batch(self.spec, 0, rank, world, "cpu")
-        self.engine = engine(spec, optimizer_class, kwargs, bucket_numel)
+    def _start(self, optimizer_class: type, kwargs: dict, bucket_numel: int) -> None:
+        self.engine = engine(self.spec, optimizer_class, kwargs, bucket_numel)
 
     def _train(self) -> None:
         x, y = self.batch
