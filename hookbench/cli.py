@@ -11,6 +11,8 @@
                             checkpoint files in baselines/checkpoints/) on purpose
     hookbench gate          the installed torch against that baseline; exits 1 on a regression
     hookbench selfcheck     the gate under every injected fault; exits 1 unless all are caught
+    hookbench speed         the whole-step table: the optimizer in backward against the standard
+                            step, per implementation, interleaved
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -367,6 +370,44 @@ def _capture(args: argparse.Namespace) -> int:
 _COLUMNS = ("mean", "std", "min", "max", "rms", "mean_abs")
 
 
+_IMPLEMENTATION_NAMES = {"forloop": "for-loop", "foreach": "foreach", "fused": "fused"}
+_MODE_NAMES = {"per_parameter": "per parameter", "grouped": "grouped by module",
+               "grouped_foreach": "grouped by module", "bucketed": "bucketed 25 MiB"}
+
+
+def _speed(args: argparse.Namespace) -> int:
+    if args.model == "mlp" and args.batch_size is not None:
+        raise ValueError(f"--batch-size is for zoo models; the benchmarks' MLP has its own "
+                         f"batch of {gate.BENCHMARK_MLP.batch_size}")
+    json_path = _writable_file(args.json, "--json") if args.json else None
+    batch = gate.BENCHMARK_MLP.batch_size if args.model == "mlp" else args.batch_size or 2
+    what = (f"the benchmarks' MLP (0.8M parameters, batch {batch})" if args.model == "mlp" else
+            f"{args.model}, batch {batch}")
+    print(f"Whole training step (forward, backward, Adam step) of {what}: the optimizer in "
+          f"backward over the standard step of the same implementation, {args.runs} runs of "
+          f"{args.rounds} interleaved rounds (each run's fastest round); median (min-max) over "
+          f"the runs, torch {torch.__version__}, {torch.get_num_threads()} threads")
+    table = gate.whole_step(args.model, rounds=args.rounds, runs=args.runs, batch_size=batch,
+                            progress=_progress)
+    columns = list(dict.fromkeys(_MODE_NAMES[m] for modes in gate.WHOLE_STEP_PAIRS.values()
+                                 for m in modes))
+    print(f"  {'implementation':15} {'standard (ms)':>14}  " + "  ".join(f"{c:22}" for c in columns))
+    for impl, row in table.items():
+        cells = dict.fromkeys(columns, "-")
+        for mode, values in row.items():
+            if mode != "standard":
+                cells[_MODE_NAMES[mode]] = (f"{statistics.median(values):.2f}x "
+                                            f"({min(values):.2f}-{max(values):.2f})")
+        print(f"  {_IMPLEMENTATION_NAMES[impl]:15} {statistics.median(row['standard']) * 1e3:14.1f}  "
+              + "  ".join(f"{c:22}" for c in cells.values()))
+    if json_path:
+        json_path.write_text(json.dumps({"model": args.model, "batch_size": batch,
+                                         "runs": args.runs, "rounds": args.rounds,
+                                         "environment": baselines.environment(),
+                                         "table": table}, indent=1))
+    return 0
+
+
 def _coord_check(args: argparse.Namespace) -> int:
     try:
         widths = tuple(int(w) for w in args.widths.split(","))
@@ -527,14 +568,24 @@ def main(argv: list[str] | None = None) -> int:
                     help="fail on a warning a mechanism's run emits that the baseline did not "
                          "record, or one that vanished (default: list them only)")
     gt.set_defaults(run=_gate)
+    sp = commands.add_parser("speed", help="the whole-step table: each mode of the optimizer "
+                                           "in backward against the standard step, interleaved")
+    sp.add_argument("--model", choices=sorted({*ZOO, "mlp"}), default="vit_b_16",
+                    help="a zoo model, or mlp: the benchmarks' MLP (default: %(default)s)")
+    sp.add_argument("--batch-size", type=int, help="a zoo model's batch (default: 2)")
+    sp.add_argument("--runs", type=int, default=5)
+    sp.add_argument("--rounds", type=int, default=3, help="interleaved rounds per run")
+    sp.add_argument("--json", help="also write the table here")
+    sp.set_defaults(run=_speed)
     sc = commands.add_parser("selfcheck", help="run the gate under every injected fault: each "
                                                "must be caught and the clean run must pass")
     baseline_options(sc, ("transformer",))
     sc.add_argument("--json", help="also write which section caught each fault here")
     sc.set_defaults(run=_selfcheck)
     args = parser.parse_args(argv)
-    for option in ("batch_size", "nproc", "steps", "seeds", "bucket_numel"):
-        if getattr(args, option, 1) < 1:
+    for option in ("batch_size", "nproc", "steps", "seeds", "bucket_numel", "runs", "rounds"):
+        value = getattr(args, option, None)  # None: not this command's, or not given
+        if value is not None and value < 1:
             parser.error(f"--{option.replace('_', '-')} must be >= 1")
     # What cannot run here (bad arguments, no CUDA, no or a corrupt baseline): one line, exit 2.
     try:

@@ -38,6 +38,8 @@ Sections (a failed row fails the gate):
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from pathlib import Path
 from typing import Any, Callable
 
@@ -81,15 +83,23 @@ CUDA_SLACK = 0.05
 # a tighter --time-slack. Fine time gating belongs to pytest-benchmark on one machine
 # (--benchmark-compare-fail).
 TIME_SLACK = 0.50
-# Targets the issue sets; reported beside each ratio, not gated (machines differ).
-TIME_TARGETS = {"in_backward_grouped_vs_foreach": 1.10, "capture_stats_vs_plain": 1.25,
-                **{f"whole_step_transformer_{impl}": 1.02 for impl in ("forloop", "foreach",
-                                                                        "fused")}}
-# A whole training step (forward, backward, step; batch 2) per optimizer implementation: the
-# optimizer in backward (bucketed as DDP buckets, 25 MiB) against the standard step of the
-# same implementation.
+# A whole training step (forward, backward, step; Adam, batch 2) per optimizer implementation:
+# each mode of the optimizer in backward that has the implementation against the standard step
+# of the same implementation (``whole_step``). One parameter per step has no foreach form: a
+# list of one tensor is the for-loop's arithmetic.
 IMPLEMENTATIONS = {"forloop": {"foreach": False}, "foreach": {"foreach": True},
                    "fused": {"fused": True}}
+WHOLE_STEP_MODES = {"per_parameter": "in_backward", "grouped": "in_backward_grouped",
+                    "grouped_foreach": "in_backward_grouped_foreach",
+                    "bucketed": "in_backward_bucketed"}  # bucketed as DDP buckets, 25 MiB
+WHOLE_STEP_PAIRS = {"forloop": ("per_parameter", "grouped", "bucketed"),
+                    "foreach": ("grouped_foreach", "bucketed"),
+                    "fused": ("per_parameter", "grouped", "bucketed")}
+GATED_WHOLE_STEP_MODEL = "transformer"  # the time section's; ViT-B/16 takes ~1.8 s a step here
+# Targets the issue sets; reported beside each ratio, not gated (machines differ).
+TIME_TARGETS = {"in_backward_grouped_vs_foreach": 1.10, "capture_stats_vs_plain": 1.25,
+                **{f"whole_step_{GATED_WHOLE_STEP_MODEL}_{impl}_{mode}": 1.02
+                   for impl, modes in WHOLE_STEP_PAIRS.items() for mode in modes}}
 
 
 CRASHED = "crashed"  # the key of a section whose measurement as a whole raised
@@ -155,34 +165,66 @@ def _memory(models: tuple[str, ...], device: str) -> dict[str, Any]:
     return {f"{m}/{s}": attempt(lambda: one(m, s)) for m in models for s in MEMORY_STRATEGIES}
 
 
-def _ratio(slow: Callable[[], object], fast: Callable[[], object], rounds: int = 15) -> float:
-    """Time per call of ``slow`` over ``fast``, each the fastest of ``rounds`` blocks (the
-    least disturbed by the rest of the machine). The two are called equally often, in
-    alternation: a training step's cost drifts as its optimizer state evolves (seen here: 1.0x
-    to 1.3x for the same pair timed with independent call counts), and must drift alike."""
+def interleaved(fns: list[Callable[[], object]], rounds: int = 15) -> list[float]:
+    """Seconds per call of each of ``fns``, each the fastest of ``rounds`` blocks (the least
+    disturbed by the rest of the machine). All are called equally often, in rotation: a
+    training step's cost drifts as its optimizer state evolves (seen here: 1.0x to 1.3x for the
+    same pair timed with independent call counts), and must drift alike. The blocks last about
+    0.1 s of the first function, at least one call."""
     from torch.utils.benchmark import Timer
 
     threads = torch.get_num_threads()
-    slow_timer, fast_timer = (Timer("fn()", globals={"fn": fn}, num_threads=threads)
-                              for fn in (slow, fast))
-    number = max(1, round(0.1 / fast_timer.timeit(1).median))  # blocks of ~0.1 s
-    times = [(slow_timer.timeit(number).median, fast_timer.timeit(number).median)
-             for _ in range(rounds)]
-    return min(s for s, _ in times) / min(f for _, f in times)
+    timers = [Timer("fn()", globals={"fn": fn}, num_threads=threads) for fn in fns]
+    number = max(1, round(0.1 / timers[0].timeit(1).median))
+    best = [float("inf")] * len(fns)
+    for _ in range(rounds):
+        for i, timer in enumerate(timers):
+            best[i] = min(best[i], timer.timeit(number).median)
+    return best
+
+
+def _ratio(slow: Callable[[], object], fast: Callable[[], object], rounds: int = 15) -> float:
+    """Time per call of ``slow`` over ``fast``, interleaved (``interleaved``)."""
+    fast_s, slow_s = interleaved([fast, slow], rounds)
+    return slow_s / fast_s
+
+
+def whole_step(model: str, rounds: int = 15, runs: int = 1, batch_size: int = 2,
+               progress: Callable[[str], None] = lambda message: None
+               ) -> dict[str, dict[str, list[float]]]:
+    """The whole-step table: per implementation (``IMPLEMENTATIONS``), ``"standard"``: the
+    standard step's seconds, and for each mode of ``WHOLE_STEP_PAIRS``: its time over the
+    standard step's; one value per run, each run ``rounds`` interleaved rounds of all of them
+    (Adam; ``model`` a zoo name, or "mlp" for the benchmarks' MLP). ``progress`` hears of
+    each run."""
+    spec = BENCHMARK_MLP if model == "mlp" else zoo_workload(model, batch_size=batch_size)
+    cls, kw = FAMILIES["adam"]
+    table: dict[str, dict[str, list[float]]] = {}
+    for impl, flags in IMPLEMENTATIONS.items():  # one implementation's models alive at a time
+        modes = WHOLE_STEP_PAIRS[impl]
+        with contextlib.ExitStack() as stack:
+            trainings = [stack.enter_context(training(spec, cls, {**kw, **flags}, strategy))
+                         for strategy in (impl, *(WHOLE_STEP_MODES[m] for m in modes))]
+            for t in trainings:
+                t.step(0)  # Adam's state exists from here on: the steady state
+            steps = [functools.partial(t.step, 1) for t in trainings]
+            row: dict[str, list[float]] = {"standard": [], **{m: [] for m in modes}}
+            for run in range(runs):
+                progress(f"{impl}: run {run + 1} of {runs} ...")
+                standard, *others = interleaved(steps, rounds)
+                row["standard"].append(standard)
+                for mode, seconds in zip(modes, others):
+                    row[mode].append(seconds / standard)
+        table[impl] = row
+    return table
 
 
 def whole_step_ratios(model: str, rounds: int = 15) -> dict[str, float]:
-    """``whole_step_<model>_<implementation>``: the in-backward step's time over the standard
-    step's, interleaved (``_ratio``), for each of ``IMPLEMENTATIONS`` (Adam)."""
-    spec, (cls, kw) = zoo_workload(model, batch_size=2), FAMILIES["adam"]
-    out = {}
-    for impl, flags in IMPLEMENTATIONS.items():
-        with training(spec, cls, {**kw, **flags}, "in_backward_bucketed") as in_backward, \
-                training(spec, cls, kw, impl) as standard:
-            in_backward.step(0), standard.step(0)  # Adam's state exists from here on
-            out[f"whole_step_{model}_{impl}"] = _ratio(lambda: in_backward.step(1),
-                                                       lambda: standard.step(1), rounds)
-    return out
+    """``whole_step_<model>_<implementation>_<mode>``: each pair of the whole-step table, one
+    run (``whole_step``)."""
+    return {f"whole_step_{model}_{impl}_{mode}": ratios[0]
+            for impl, row in whole_step(model, rounds).items()
+            for mode, ratios in row.items() if mode != "standard"}
 
 
 def _time() -> dict[str, Any]:
@@ -204,7 +246,7 @@ def _time() -> dict[str, Any]:
 
     value = attempt(lambda: {"ratio": capture()})
     out["capture_stats_vs_plain"] = value.get("ratio", value)  # or what stopped it
-    out.update(whole_step_ratios("transformer", rounds=5))
+    out.update(whole_step_ratios(GATED_WHOLE_STEP_MODEL, rounds=5))
     return out
 
 

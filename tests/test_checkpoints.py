@@ -4,6 +4,7 @@ release changes the schema (``step``'s dtype, a renamed key), the continuation, 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -83,9 +84,12 @@ def test_a_step_loaded_as_another_dtype_fails_though_the_arithmetic_is_identical
     for verdict in failed.values():
         assert ("schema saved after resuming CHANGED: - optimizer.state.step: tensor float32 "
                 "cpu scalar; + optimizer.state.step: tensor float64 cpu scalar") in verdict
-        # the numbers alone would pass: bit for bit where the baseline's kernels are these
-        assert ("final parameters bit-exact" if base["recorded_with"] == baselines.environment()
-                else "final parameters ok") in verdict
+        # the numbers alone would pass: bit for bit where the baseline's kernels are these;
+        # on another CPU within tolerance, or bit for bit where its kernels round alike (an
+        # AMD EPYC AVX512 did, against the Xeon the baseline was recorded on)
+        same = base["recorded_with"] == baselines.environment()
+        assert re.search("final parameters bit-exact" if same else
+                         "final parameters (bit-exact|ok)", verdict), verdict
 
 
 def test_a_renamed_key_fails_naming_both_names(base, resumed):

@@ -207,3 +207,37 @@ def test_a_torch_without_a_module_hookbench_loads_fails_in_one_line():
     assert len(err) == 1 and err[0].startswith("hookbench: FAILED: cannot load hookbench on "
                                                f"torch {torch.__version__}: "), err
     assert "torch.utils._pytree" in err[0]
+
+
+def test_speed_prints_the_whole_step_table_and_writes_it(capsys, tmp_path):
+    # The MLP, 2 runs of 1 round (a few seconds): every pair of gate.WHOLE_STEP_PAIRS, a ratio
+    # per run; per parameter has no foreach form, so its foreach cell is "-".
+    target = tmp_path / "speed.json"
+    assert main(["speed", "--model", "mlp", "--runs", "2", "--rounds", "1",
+                 "--json", str(target)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "2 runs of 1 interleaved rounds" in lines[0]
+    rows = {line.split()[0]: line for line in lines[2:]}
+    assert list(rows) == ["for-loop", "foreach", "fused"]
+    assert re.search(r"foreach\s+[\d.]+\s+-\s+\d", rows["foreach"]), rows["foreach"]
+    table = json.loads(target.read_text())["table"]
+    from hookbench.gate import WHOLE_STEP_PAIRS
+    assert {impl: set(row) for impl, row in table.items()} == {
+        impl: {"standard", *modes} for impl, modes in WHOLE_STEP_PAIRS.items()}
+    assert all(len(v) == 2 and all(x > 0 for x in v) for row in table.values()
+               for v in row.values())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--runs", "0"], "--runs must be >= 1"),
+    (["--json", "."], "--json .: is a folder, not a file"),
+    (["--batch-size", "4"], "--batch-size is for zoo models"),
+])
+def test_speed_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    try:
+        code = main(["speed", "--model", "mlp", *argv])
+    except SystemExit as e:  # argparse's own refusals exit from the parser
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

@@ -229,6 +229,9 @@ def memory():
     return out, table
 
 
+# slow: the memory fixture starts 2 ranks of each system, about 9 s; the parity
+# comparisons above stay in the default tier
+@pytest.mark.slow
 def test_per_rank_memory_below_deepspeed(memory):
     # Both measured by hookbench.memory's StorageTracker on real CPU tensors, 512-byte rounding,
     # one warm-up step, then the peak of one step, on each of the 2 ranks
@@ -256,6 +259,8 @@ def test_per_rank_memory_below_deepspeed(memory):
         assert ours["peak"] < theirs["peak"], table
 
 
+# slow: shares the memory fixture above
+@pytest.mark.slow
 def test_mixed_precision_per_rank_memory_below_deepspeed(memory):
     # bf16 parameters and fp32 masters on both sides, measured as above. MB per rank, seen:
     #                  peak  parameters  gradients  optimizer state  activations  temporaries

@@ -756,21 +756,22 @@ def test_benchmark_step_time(benchmark, strategy, device):
 
 
 # The whole step of a real model, per implementation: ViT-B/16 and the transformer, batch 2,
-# Adam; the standard step and the optimizer in backward (bucketed as DDP buckets, 25 MiB) of
-# each implementation. conftest.py prints each pair's ratio; `hookbench gate` times the
-# transformer's pairs interleaved (its time section), gate.whole_step_ratios any model's.
-WHOLE_STEP_ROUNDS = {"transformer": 20, "vit_b_16": 5}  # ViT-B/16: ~1.5 s a step on 2 cores
+# Adam; the standard step and each mode of the optimizer in backward that has the
+# implementation (gate.WHOLE_STEP_PAIRS). conftest.py prints each pair's ratio; `hookbench
+# speed` times them interleaved, and `hookbench gate` the transformer's (its time section).
+WHOLE_STEP_ROUNDS = {"transformer": 20, "vit_b_16": 5}  # ViT-B/16: ~1.4 s a step on 2 cores
 
 
-@pytest.mark.parametrize("strategy", ["standard", "in_backward"])
-@pytest.mark.parametrize("impl", list(gate.IMPLEMENTATIONS))
+@pytest.mark.parametrize("impl, mode", [
+    (impl, mode) for impl, modes in gate.WHOLE_STEP_PAIRS.items()
+    for mode in ("standard", *modes)])
 @pytest.mark.parametrize("model", list(WHOLE_STEP_ROUNDS))
-def test_benchmark_whole_step(benchmark, model, impl, strategy):
+def test_benchmark_whole_step(benchmark, model, impl, mode):
     spec, (cls, kw) = zoo_workload(model, batch_size=2), FAMILIES["adam"]
     benchmark.group = f"whole-step-{model}"
-    benchmark.extra_info.update(strategy=f"{strategy}-{impl}", device="cpu")
-    name = impl if strategy == "standard" else "in_backward_bucketed"
-    with training(spec, cls, {**kw, **gate.IMPLEMENTATIONS[impl]}, name) as run:
+    benchmark.extra_info.update(strategy=f"{mode}-{impl}", device="cpu")
+    strategy = impl if mode == "standard" else gate.WHOLE_STEP_MODES[mode]
+    with training(spec, cls, {**kw, **gate.IMPLEMENTATIONS[impl]}, strategy) as run:
         run.step(0)  # Adam's state exists from here on: the steady state
         benchmark.pedantic(lambda: run.step(1), rounds=WHOLE_STEP_ROUNDS[model],
                            warmup_rounds=1)
