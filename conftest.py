@@ -93,7 +93,8 @@ RATIOS = (
     ("ZeRO-2 step, hookbench / DeepSpeed stage 2", "zero2-peer", "hookbench", "deepspeed", 1.0),
     *((f"whole step {model}, {mode} / standard, {impl}", f"whole-step-{model}",
        f"{mode}-{impl}", f"standard-{impl}", 1.02)
-      for model in ("vit_b_16", "transformer") for impl, modes in WHOLE_STEP_PAIRS.items()
+      for model in ("vit_b_16", "transformer", "vit_l_16")
+      for impl, modes in WHOLE_STEP_PAIRS.items()
       for mode in modes),
     ("capture, statistics rms+mean_abs / plain forward", "resnet18-capture",
      "stats_rms_mean_abs", "plain", 1.25),

@@ -379,6 +379,8 @@ def _speed(args: argparse.Namespace) -> int:
     if args.model == "mlp" and args.batch_size is not None:
         raise ValueError(f"--batch-size is for zoo models; the benchmarks' MLP has its own "
                          f"batch of {gate.BENCHMARK_MLP.batch_size}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: CUDA is not available here")
     json_path = _writable_file(args.json, "--json") if args.json else None
     batch = gate.BENCHMARK_MLP.batch_size if args.model == "mlp" else args.batch_size or 2
     what = (f"the benchmarks' MLP (0.8M parameters, batch {batch})" if args.model == "mlp" else
@@ -386,9 +388,11 @@ def _speed(args: argparse.Namespace) -> int:
     print(f"Whole training step (forward, backward, Adam step) of {what}: the optimizer in "
           f"backward over the standard step of the same implementation, {args.runs} runs of "
           f"{args.rounds} interleaved rounds (each run's fastest round); median (min-max) over "
-          f"the runs, torch {torch.__version__}, {torch.get_num_threads()} threads")
+          f"the runs, torch {torch.__version__}, " + (
+              torch.cuda.get_device_name() if args.device == "cuda" else
+              f"CPU, {torch.get_num_threads()} threads"))
     table = gate.whole_step(args.model, rounds=args.rounds, runs=args.runs, batch_size=batch,
-                            progress=_progress)
+                            device=args.device, progress=_progress)
     columns = list(dict.fromkeys(_MODE_NAMES[m] for modes in gate.WHOLE_STEP_PAIRS.values()
                                  for m in modes))
     print(f"  {'implementation':15} {'standard (ms)':>14}  " + "  ".join(f"{c:22}" for c in columns))
@@ -402,6 +406,7 @@ def _speed(args: argparse.Namespace) -> int:
               + "  ".join(f"{c:22}" for c in cells.values()))
     if json_path:
         json_path.write_text(json.dumps({"model": args.model, "batch_size": batch,
+                                         "device": args.device,
                                          "runs": args.runs, "rounds": args.rounds,
                                          "environment": baselines.environment(),
                                          "table": table}, indent=1))
@@ -573,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--model", choices=sorted({*ZOO, "mlp"}), default="vit_b_16",
                     help="a zoo model, or mlp: the benchmarks' MLP (default: %(default)s)")
     sp.add_argument("--batch-size", type=int, help="a zoo model's batch (default: 2)")
+    sp.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     sp.add_argument("--runs", type=int, default=5)
     sp.add_argument("--rounds", type=int, default=3, help="interleaved rounds per run")
     sp.add_argument("--json", help="also write the table here")

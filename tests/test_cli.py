@@ -232,8 +232,10 @@ def test_speed_prints_the_whole_step_table_and_writes_it(capsys, tmp_path):
     (["--runs", "0"], "--runs must be >= 1"),
     (["--json", "."], "--json .: is a folder, not a file"),
     (["--batch-size", "4"], "--batch-size is for zoo models"),
+    (["--device", "cuda"], "--device cuda: CUDA is not available here"),
 ])
-def test_speed_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+def test_speed_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, argv, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU runner
     try:
         code = main(["speed", "--model", "mlp", *argv])
     except SystemExit as e:  # argparse's own refusals exit from the parser

@@ -759,19 +759,26 @@ def test_benchmark_step_time(benchmark, strategy, device):
 # Adam; the standard step and each mode of the optimizer in backward that has the
 # implementation (gate.WHOLE_STEP_PAIRS). conftest.py prints each pair's ratio; `hookbench
 # speed` times them interleaved, and `hookbench gate` the transformer's (its time section).
-WHOLE_STEP_ROUNDS = {"transformer": 20, "vit_b_16": 5}  # ViT-B/16: ~1.4 s a step on 2 cores
+# ViT-L/16 (batch 1, the tutorial's) is the GPU tier's.
+WHOLE_STEP_ROUNDS = {"transformer": 20, "vit_b_16": 5, "vit_l_16": 20}  # ViT-B/16: ~1.8 s a
+# step on 2 cores
 
 
 @pytest.mark.parametrize("impl, mode", [
     (impl, mode) for impl, modes in gate.WHOLE_STEP_PAIRS.items()
     for mode in ("standard", *modes)])
-@pytest.mark.parametrize("model", list(WHOLE_STEP_ROUNDS))
-def test_benchmark_whole_step(benchmark, model, impl, mode):
-    spec, (cls, kw) = zoo_workload(model, batch_size=2), FAMILIES["adam"]
+@pytest.mark.parametrize("model, batch, device", [
+    pytest.param("vit_b_16", 2, "cpu", id="vit_b_16"),
+    pytest.param("transformer", 2, "cpu", id="transformer"),
+    pytest.param("vit_l_16", 1, "cuda", marks=pytest.mark.gpu, id="vit_l_16-cuda")])
+def test_benchmark_whole_step(benchmark, model, batch, device, impl, mode):
+    spec, (cls, kw) = zoo_workload(model, batch_size=batch), FAMILIES["adam"]
     benchmark.group = f"whole-step-{model}"
-    benchmark.extra_info.update(strategy=f"{mode}-{impl}", device="cpu")
+    benchmark.extra_info.update(strategy=f"{mode}-{impl}", device=device)
     strategy = impl if mode == "standard" else gate.WHOLE_STEP_MODES[mode]
-    with training(spec, cls, {**kw, **gate.IMPLEMENTATIONS[impl]}, strategy) as run:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    with training(spec, cls, {**kw, **gate.IMPLEMENTATIONS[impl]}, strategy,
+                  device=device) as run:
         run.step(0)  # Adam's state exists from here on: the steady state
-        benchmark.pedantic(lambda: run.step(1), rounds=WHOLE_STEP_ROUNDS[model],
+        benchmark.pedantic(lambda: (run.step(1), sync()), rounds=WHOLE_STEP_ROUNDS[model],
                            warmup_rounds=1)
