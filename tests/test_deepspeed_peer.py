@@ -26,7 +26,9 @@ from hookbench.peers import deepspeed_zero2  # noqa: E402
 from hookbench.prerequisites import MissingPrerequisite  # noqa: E402
 from hookbench.zoo import TinySpec  # noqa: E402
 
-pytestmark = [pytest.mark.peers, pytest.mark.distributed]
+# slow: the peer comparison starts DeepSpeed's ranks and hookbench's (about 20 s); the slow tier
+# and `pytest -m peers` run it, the default tier keeps hookbench's own ZeRO-2 checks
+pytestmark = [pytest.mark.peers, pytest.mark.distributed, pytest.mark.slow]
 
 # 227 parameters cut in two at 114 (DeepSpeed pads to a multiple of 2N, hookbench to N: both
 # 228 here), so a parameter straddles the ranks; 50-element buckets, so a backward reduces
@@ -229,9 +231,6 @@ def memory():
     return out, table
 
 
-# slow: the memory fixture starts 2 ranks of each system, about 9 s; the parity
-# comparisons above stay in the default tier
-@pytest.mark.slow
 def test_per_rank_memory_below_deepspeed(memory):
     # Both measured by hookbench.memory's StorageTracker on real CPU tensors, 512-byte rounding,
     # one warm-up step, then the peak of one step, on each of the 2 ranks
@@ -259,8 +258,6 @@ def test_per_rank_memory_below_deepspeed(memory):
         assert ours["peak"] < theirs["peak"], table
 
 
-# slow: shares the memory fixture above
-@pytest.mark.slow
 def test_mixed_precision_per_rank_memory_below_deepspeed(memory):
     # bf16 parameters and fp32 masters on both sides, measured as above. MB per rank, seen:
     #                  peak  parameters  gradients  optimizer state  activations  temporaries

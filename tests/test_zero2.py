@@ -188,6 +188,9 @@ NEEDS_FSDP2 = pytest.mark.skipif(
                                        f"and runs on CPU from torch 2.6; this is {torch.__version__}")
 
 
+# slow: FSDP2, torch's own ZeRO-2, as a peer (about 5 s); the default tier keeps
+# parity_with_single_process_training, the reference itself
+@pytest.mark.slow
 @NEEDS_FSDP2
 def test_same_parameters_as_fsdp2(runs):
     cls, kw = OPTIMIZERS["adam"]
@@ -306,6 +309,9 @@ def test_mixed_precision_is_its_single_process_reference_bit_for_bit(mixed_runs,
     assert not torch.equal(masters, masters.to(torch.bfloat16).float())
 
 
+# slow: the FSDP2 peer in mixed precision (about 5 s); the default tier keeps the
+# bit-for-bit comparison with the one-process mixed reference
+@pytest.mark.slow
 @NEEDS_FSDP2
 @pytest.mark.distributed
 def test_mixed_precision_matches_fsdp2s_mixed_precision_policy(mixed_runs):
