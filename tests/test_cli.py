@@ -19,6 +19,9 @@ from hookbench.report import MEMORY_STRATEGIES
 ARGS = ["report", "--model", "transformer", "--device", "fake"]
 
 
+# slow: the whole report, every section, about 15 s; the default tier keeps each section's own
+# tests and the report's exit code under a fault (below); examples/charlm/check.sh runs a report
+@pytest.mark.slow
 def test_report_prints_writes_and_passes(capsys, tmp_path):
     assert main([*ARGS, "--out", str(tmp_path)]) == 0
     captured = capsys.readouterr()

@@ -26,9 +26,11 @@ from hookbench.peers import deepspeed_zero2  # noqa: E402
 from hookbench.prerequisites import MissingPrerequisite  # noqa: E402
 from hookbench.zoo import TinySpec  # noqa: E402
 
-# slow: the peer comparison starts DeepSpeed's ranks and hookbench's (about 20 s); the slow tier
-# and `pytest -m peers` run it, the default tier keeps hookbench's own ZeRO-2 checks
-pytestmark = [pytest.mark.peers, pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.peers, pytest.mark.distributed]
+# The comparisons start DeepSpeed's ranks and hookbench's (about 20 s): the slow tier and
+# `pytest -m peers` run them; the default tier keeps hookbench's own ZeRO-2 checks, and the
+# benchmark tier the step-time benchmark below.
+SLOW = pytest.mark.slow
 
 # 227 parameters cut in two at 114 (DeepSpeed pads to a multiple of 2N, hookbench to N: both
 # 228 here), so a parameter straddles the ranks; 50-element buckets, so a backward reduces
@@ -87,6 +89,7 @@ def runs():
     return {key: [results[rank][i] for rank in range(WORLD)] for i, key in enumerate(keys)}
 
 
+@SLOW
 @pytest.mark.parametrize("accumulation", [1, 2])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_bit_for_bit_the_same_parameters_as_deepspeed(runs, name, accumulation):
@@ -98,6 +101,7 @@ def test_bit_for_bit_the_same_parameters_as_deepspeed(runs, name, accumulation):
         assert not problems, (rank, problems)
 
 
+@SLOW
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_with_clipping_within_tolerance(runs, name):
     # Within zero2_runs.TOLERANCE, not bit for bit: both scale the shard's gradient by the
@@ -116,6 +120,7 @@ def test_with_clipping_within_tolerance(runs, name):
         assert not problems, (rank, problems)
 
 
+@SLOW
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_fault_in_hookbench_fails_the_comparison(runs, fault):
     # The fault is injected on hookbench's side only (hookbench.faults, inside each rank);
@@ -132,6 +137,7 @@ def test_a_fault_in_hookbench_fails_the_comparison(runs, fault):
 # -- bf16 mixed precision -------------------------------------------------------------------------
 
 
+@SLOW
 @pytest.mark.parametrize("i", range(len(MIXED)), ids=MIXED_IDS)
 def test_mixed_precision_bit_for_bit_the_same_as_deepspeed(runs, i):
     # Bit for bit: the bf16 parameters after every step, and each rank's fp32 masters before
@@ -163,6 +169,7 @@ def test_mixed_precision_bit_for_bit_the_same_as_deepspeed(runs, i):
         assert masters.dtype == FP32 and not torch.equal(masters, masters.to(BF16).float())
 
 
+@SLOW
 def test_deepspeeds_own_masters_are_its_only_difference(runs):
     # DeepSpeed copies its fp32 partition from the bf16 parameters (stage_1_and_2.py:
     # weights_partition = bf16 partition .clone().to(fp32)), after deepspeed.initialize has
@@ -187,6 +194,7 @@ def test_deepspeeds_own_masters_are_its_only_difference(runs):
         assert not problems, (rank, problems)
 
 
+@SLOW
 @pytest.mark.parametrize("fault", list(MIXED_FAULTS))
 def test_a_fault_in_hookbench_fails_the_mixed_comparison(runs, fault):
     # collective_wrong_slice: the owner gets another slice's reduced gradient. With fp32
@@ -231,6 +239,7 @@ def memory():
     return out, table
 
 
+@SLOW
 def test_per_rank_memory_below_deepspeed(memory):
     # Both measured by hookbench.memory's StorageTracker on real CPU tensors, 512-byte rounding,
     # one warm-up step, then the peak of one step, on each of the 2 ranks
@@ -258,6 +267,7 @@ def test_per_rank_memory_below_deepspeed(memory):
         assert ours["peak"] < theirs["peak"], table
 
 
+@SLOW
 def test_mixed_precision_per_rank_memory_below_deepspeed(memory):
     # bf16 parameters and fp32 masters on both sides, measured as above. MB per rank, seen:
     #                  peak  parameters  gradients  optimizer state  activations  temporaries
