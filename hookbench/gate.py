@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -55,7 +55,7 @@ from hookbench.parity import (FAMILIES, Tolerance, compare, parameters_only, tol
                               trajectory)
 from hookbench.checks import ACCUMULATION, REPORT_SPEC, STEPS, Section
 from hookbench.workload import Workload
-from hookbench.zoo import BENCHMARK_MLP
+from hookbench.zoo import BENCHMARK_MLP, TinySpec
 from hookbench.zoo import workload as zoo_workload
 
 __all__ = ["MODELS", "SECTIONS", "WORKLOAD_SECTIONS", "check", "measure_all", "record",
@@ -184,6 +184,20 @@ def interleaved(fns: list[Callable[[], object]], rounds: int = 15) -> list[float
     return best
 
 
+@contextlib.contextmanager
+def _steady_steps(spec: Workload | TinySpec, flags: dict[str, Any], strategies: tuple[str, ...],
+                  device: str = "cpu") -> Iterator[list[Callable[[], None]]]:
+    """Adam (with ``flags``) trained by each of ``strategies``, each past its first step (Adam's
+    state exists from there on: the steady state); yields a next-step callable per strategy."""
+    cls, kw = FAMILIES["adam"]
+    with contextlib.ExitStack() as stack:
+        trainings = [stack.enter_context(training(spec, cls, {**kw, **flags}, strategy,
+                                                  device=device)) for strategy in strategies]
+        for t in trainings:
+            t.step(0)
+        yield [functools.partial(t.step, 1) for t in trainings]
+
+
 def whole_step(model: str, rounds: int = 15, runs: int = 1, batch_size: int = 2,
                device: str = "cpu", progress: Callable[[str], None] = lambda message: None
                ) -> dict[str, dict[str, list[float]]]:
@@ -193,17 +207,11 @@ def whole_step(model: str, rounds: int = 15, runs: int = 1, batch_size: int = 2,
     (Adam; ``model`` a zoo name, or "mlp" for the benchmarks' MLP; on CUDA the timer
     synchronizes around each block). ``progress`` hears of each run."""
     spec = BENCHMARK_MLP if model == "mlp" else zoo_workload(model, batch_size=batch_size)
-    cls, kw = FAMILIES["adam"]
     table: dict[str, dict[str, list[float]]] = {}
     for impl, flags in IMPLEMENTATIONS.items():  # one implementation's models alive at a time
         modes = WHOLE_STEP_PAIRS[impl]
-        with contextlib.ExitStack() as stack:
-            trainings = [stack.enter_context(training(spec, cls, {**kw, **flags}, strategy,
-                                                      device=device))
-                         for strategy in (impl, *(WHOLE_STEP_MODES[m] for m in modes))]
-            for t in trainings:
-                t.step(0)  # Adam's state exists from here on: the steady state
-            steps = [functools.partial(t.step, 1) for t in trainings]
+        strategies = (impl, *(WHOLE_STEP_MODES[m] for m in modes))
+        with _steady_steps(spec, flags, strategies, device) as steps:
             row: dict[str, list[float]] = {"standard": [], **{m: [] for m in modes}}
             for run in range(runs):
                 progress(f"{impl}: run {run + 1} of {runs} ...")
@@ -225,15 +233,10 @@ def whole_step_ratios(model: str, rounds: int = 15) -> dict[str, float]:
 
 def _time() -> dict[str, Any]:
     # The benchmarks' workloads (tests/test_optimizer_in_backward.py, test_activation_capture.py).
-    cls, kw = FAMILIES["adam"]
     out: dict[str, Any] = {}
-    with training(BENCHMARK_MLP, cls, kw, "foreach") as standard, \
-            training(BENCHMARK_MLP, cls, kw, "in_backward_grouped_foreach") as grouped, \
-            training(BENCHMARK_MLP, cls, kw, "in_backward_bucketed") as bucketed:
-        for t in (standard, grouped, bucketed):
-            t.step(0)  # Adam's state exists from here on: the steady state
-        foreach_s, grouped_s, bucketed_s = interleaved(
-            [functools.partial(t.step, 1) for t in (standard, grouped, bucketed)])
+    with _steady_steps(BENCHMARK_MLP, {}, ("foreach", "in_backward_grouped_foreach",
+                                            "in_backward_bucketed")) as steps:
+        foreach_s, grouped_s, bucketed_s = interleaved(steps)
         out["in_backward_grouped_vs_foreach"] = grouped_s / foreach_s
         out["in_backward_bucketed_vs_foreach"] = bucketed_s / foreach_s
 
