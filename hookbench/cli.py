@@ -28,11 +28,12 @@ from pathlib import Path
 
 import torch
 
-from hookbench import baselines, checks, gate, launch, plot, report, zero2_runs, zero_paper
+from hookbench import (baselines, checks, gate, launch, plot, report, workload_checks,
+                       zero2_runs, zero_paper)
 from hookbench.activation_capture import ActivationCapture
 from hookbench.coord_check import QUANTITIES, coord_check, ratios
 from hookbench.faults import FAULTS
-from hookbench.memory import measure
+from hookbench.memory import format_bytes, measure
 from hookbench.parity import compare, parameters_only, trajectory
 from hookbench.prerequisites import attempt
 from hookbench.workload import Workload, configured, load
@@ -45,7 +46,7 @@ def _progress(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-SECTIONS = ("contract", "optimizer", "memory", "zero2")
+SECTIONS = ("contract", "optimizer", "capture", "memory", "zero2")
 
 
 def _chosen(value: str, known: tuple[str, ...], what: str) -> tuple[str, ...]:
@@ -131,10 +132,22 @@ def _report(args: argparse.Namespace) -> int:
     spec = _one_workload(args)
     out = _output_dir(args.out)
     sections, results, written = [], [], [out / "report.json"]
+    own = bool(args.workload)  # a user's workload: its own rows in place of the built-in's
     if "contract" in chosen:
         sections.append(checks.contract_section())
     if "optimizer" in chosen:
-        sections.append(checks.optimizer_in_backward_section())
+        if own:
+            _progress(f"{spec.name}: every strategy, {workload_checks.STEPS} steps ...")
+            sections.append(report.workload_section(
+                f"{spec.name}: the standard step per implementation and the optimizer in "
+                f"backward per mode, {workload_checks.STEPS} steps, each against its reference",
+                workload_checks.trajectories(spec)))
+        else:
+            sections.append(checks.optimizer_in_backward_section())
+    if "capture" in chosen:
+        sections.append(report.workload_section(
+            f"Activation capture on {spec.name}'s training step (statistics of every "
+            f"submodule's output)", workload_checks.capture(spec)))
     if "memory" in chosen:
         stopped: dict[str, dict[str, str]] = {}
         for strategy in report.MEMORY_STRATEGIES:
@@ -156,15 +169,20 @@ def _report(args: argparse.Namespace) -> int:
                 _progress(f"  stopped: {got.get('error') or got.get('refused') or got['skipped']}")
                 continue
             results.append(got["result"])
-            _progress(f"  peak {results[-1].peak / 1e9:.3f} GB "
+            _progress(f"  peak {format_bytes(results[-1].peak, 4)} "
                       f"({time.perf_counter() - started:.1f} s)")
         sections.append(report.memory_section(results, stopped, spec.optimizer[0].__name__))
         if results:
             written.insert(0, plot.memory_timeline(results, out / "memory.png"))
     if "zero2" in chosen:
         by = {r.strategy: r for r in results}
+        parity = None
+        if own:
+            _progress(f"{spec.name}: ZeRO-2 on {workload_checks.ZERO2_RANKS} gloo ranks ...")
+            parity = attempt(lambda: workload_checks.zero2([spec]))
+            parity = parity if "error" not in parity else {f"{spec.name}/zero2": parity}
         sections.append(report.zero2_section(spec, backend, by.get("foreach"),
-                                             by.get("in_backward"), _progress))
+                                             by.get("in_backward"), _progress, parity))
     data = {"torch": torch.__version__, "backend": backend, "model": spec.name,
             "batch_size": spec.batch_size, "memory": [r.to_dict() for r in results],
             "checks": [{"section": s.title, "row": list(cells), "ok": bool(verdict),
@@ -350,7 +368,7 @@ def _capture(args: argparse.Namespace) -> int:
     with torch.no_grad(), spec.autocast("cpu"), ActivationCapture(
             model, include=args.include or None, exclude=args.exclude or None,
             stats=args.stats) as cap:
-        model(*x) if isinstance(x, tuple) else model(x)
+        spec.forward(model, x)
     rows = cap.table()
     if not rows:
         raise ValueError("the selected modules produced no output in forward (a module whose "

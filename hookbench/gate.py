@@ -9,7 +9,9 @@
 Sections (a failed row fails the gate):
     hooks     every hook-contract check has its recorded outcome
     parity    optimizer in backward against ``optimizer.step()``, live: bit-exact where the
-              arithmetic is identical, within the per-dtype tolerance where it is not
+              arithmetic is identical, within the per-dtype tolerance where it is not; and the
+              standard foreach and fused steps against the for-loop step, per family and
+              option variant, in float32 and float64 (``_implementation_rows``)
     numerics  6 optimizer families x 4 strategies, 4 steps of 2 micro-batches on a tied and
               frozen MLP: the stored checksum, or else the final parameters within tolerance
     zero2     2 gloo ranks: parity with single-process training, the stored checksum (or the
@@ -39,6 +41,7 @@ Sections (a failed row fails the gate):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -49,10 +52,11 @@ from hookbench import (baselines, checkpoints, checks, collectives, compiled_hoo
                        emitted_warnings, hook_contract, launch, workload_checks, zero2_runs)
 from hookbench.activation_capture import ActivationCapture
 from hookbench.faults import FAULTS, inject
-from hookbench.memory import CATEGORIES, measure
+from hookbench.memory import CATEGORIES, format_bytes, measure
 from hookbench.prerequisites import attempt
-from hookbench.parity import (FAMILIES, Tolerance, compare, parameters_only, tolerance, training,
-                              trajectory)
+from hookbench.parity import (AGAINST_FORLOOP, FAMILIES, IMPLEMENTATION_CASES, Tolerance,
+                              against_forloop, compare, missing_implementation, parameters_only,
+                              tolerance, training, trajectory)
 from hookbench.checks import ACCUMULATION, REPORT_SPEC, STEPS, Section
 from hookbench.workload import Workload
 from hookbench.zoo import BENCHMARK_MLP, TinySpec
@@ -125,6 +129,40 @@ def _numerics() -> dict[str, Any]:
     return {f"{family}/{strategy}": attempt(lambda: baselines.fingerprint(
                 trajectory(spec, cls, kw, strategy, steps=steps, accumulation=k)))
             for family, (cls, kw) in FAMILIES.items() for strategy in TRAJECTORY_STRATEGIES}
+
+
+# The parity section's float64 rows hold PyTorch's own foreach test's precision (parity.tolerance).
+IMPLEMENTATION_DTYPES = (torch.float32, torch.float64)
+
+
+def _against_forloop(cls: type, kwargs: dict, implementation: str,
+                     dtype: torch.dtype) -> tuple[bool, str]:
+    missing = missing_implementation(cls, implementation)  # torch must refuse, not ignore, it
+    if missing is not None:
+        return True, missing
+    result = against_forloop(dataclasses.replace(REPORT_SPEC, dtype=dtype), cls, kwargs,
+                             implementation, steps=STEPS, accumulation=ACCUMULATION)
+    return result.ok, result.verdict()
+
+
+def _implementation_rows(section: Section) -> Section:
+    """``section`` with a row per option variant (``parity.IMPLEMENTATION_CASES``), standard
+    implementation and dtype: the foreach or fused step against the for-loop step on
+    REPORT_SPEC. Live, like the rest of the parity section: the for-loop is the reference, so
+    nothing is recorded, and another torch release is checked against its own for-loop."""
+    for case, (cls, kw) in IMPLEMENTATION_CASES.items():
+        for implementation in AGAINST_FORLOOP:
+            for dtype in IMPLEMENTATION_DTYPES:
+                named = ("" if dtype == REPORT_SPEC.dtype
+                         else f", {str(dtype).removeprefix('torch.')}")
+                section.attempt(case, f"{implementation} step vs for-loop step{named}",
+                                check=functools.partial(_against_forloop, cls, kw,
+                                                        implementation, dtype))
+    return section
+
+
+def _parity() -> Section:
+    return _implementation_rows(checks.optimizer_in_backward_section())
 
 
 def run_zero2_ranks(faults: list[str | None]) -> dict[str | None, list]:
@@ -359,8 +397,22 @@ def _numerics_section(title: str, base: dict, now: dict, tol, machine_note: str)
     return section
 
 
+# Each amount in its own unit (712.2 KB, 68.76 MB, 6.088 GB) to 4 significant digits, 0.1% or
+# finer: every difference the gate fails on (1% on the fake backend, 5% on CUDA) shows in the
+# verdict's pair. The recorded and now columns may differ by less (a row that passes as
+# "changed"): there ``_amounts`` adds the digits that tell the two apart, down to the byte.
 def _amount(n: int) -> str:
-    return f"{n / 1e6:,.3f} MB"
+    return format_bytes(n, 4)
+
+
+def _amounts(*ns: int) -> tuple[str, ...]:
+    """``ns`` to 4 significant digits, or as many more as make different amounts print
+    differently."""
+    for digits in range(4, 17):  # 16 digits: any byte count below 10^16 B exactly
+        printed = tuple(format_bytes(n, digits) for n in ns)
+        if len(set(printed)) == len(set(ns)):
+            break
+    return printed
 
 
 def _memory_section(base: dict, now: dict, device: str) -> Section:
@@ -374,8 +426,9 @@ def _memory_section(base: dict, now: dict, device: str) -> Section:
         if section.add_stopped(value, key):
             continue
         ok, verdict = _memory_verdict(base.get(key), value, device)
-        section.add(ok, key, _amount(base[key]["peak"]) if key in base else "",
-                    _amount(value["peak"]), verdict)
+        recorded, peak = (_amounts(base[key]["peak"], value["peak"]) if key in base
+                          else ("", _amount(value["peak"])))
+        section.add(ok, key, recorded, peak, verdict)
     return section
 
 
@@ -389,7 +442,7 @@ def _memory_verdict(rec: dict | None, value: dict, device: str) -> tuple[bool, s
         pairs += [(c, rec["breakdown"][c], value["breakdown"][c]) for c in CATEGORIES]
         pairs.append(("gradients alive", rec["gradients_alive_max"],
                       value["gradients_alive_max"]))
-    over = [f"{what} {_amount(n)} > recorded {_amount(r)} ({n / max(r, 1) - 1:+.1%})"
+    over = [f"{what} {_amount(n)} > recorded {_amount(r)}" + (f" ({n / r - 1:+.1%})" if r else "")
             for what, r, n in pairs if n > r * (1 + slack) + (0 if r else 512)]
     # Exact counting makes a drop as telling as a rise: memory that vanished is a tracker
     # that stopped seeing allocations, or a real saving to re-record on purpose.
@@ -509,6 +562,11 @@ def _workloads_section(base: dict, now: dict, machine_note: str) -> Section:
         elif "peak" in value:
             ok, verdict = _memory_verdict(rec, value, "fake")
             section.add(ok, key, f"peak {_amount(value['peak'])}: {verdict}")
+        elif "records" in value:  # capture: a module call more or less is a changed model
+            ok = rec is not None and rec.get("records") == value["records"]
+            section.add(ok, key, f"{value['records']} of {value['calls']} module calls "
+                        f"recorded, training unchanged: " + ("identical" if ok else
+                        f"CHANGED: recorded {'nothing' if rec is None else rec.get('records')}"))
         else:  # another CPU may change the bits: then the row's own tolerance
             ok, verdict = _trajectory_verdict(rec, value, Tolerance(**value["tolerance"]),
                                               machine_note)
@@ -563,7 +621,7 @@ def check(base: dict[str, Any], now: dict[str, Any], parity: bool = True,
     out = {}
     for name in SECTIONS:
         if name == "parity" and parity:
-            out[name] = _crash_safe(name, checks.optimizer_in_backward_section)
+            out[name] = _crash_safe(name, _parity)
         elif name in now and CRASHED in now[name]:
             out[name] = _stopped(name, now[name][CRASHED])
         elif name in now:

@@ -32,7 +32,7 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -45,12 +45,51 @@ from hookbench import parity
 from hookbench.optimizer_in_backward import size_buckets
 from hookbench.workload import of, to_device
 
-__all__ = ["BACKENDS", "CATEGORIES", "MemoryResult", "StorageTracker", "measure"]
+__all__ = ["BACKENDS", "CATEGORIES", "MemoryResult", "StorageTracker", "byte_unit",
+           "format_bytes", "measure", "table_unit"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 BACKENDS = ("fake", "eager", "cuda")
 _BY_PHASE = {"data": "activations", "forward": "activations", "backward": "temporaries",
              "optimizer": "temporaries", "idle": "temporaries"}
+
+# Memory in print: decimal units (1 KB = 1e3 bytes), the project's GB of 1e9 bytes (the ZeRO
+# paper's), the largest that the amount reaches, so that a 1M-parameter model and a 7.5 B one
+# both read at a glance. Nothing above GB: the largest step here, the paper's 7.5 B model, is 120.
+UNITS = (("GB", 10**9), ("MB", 10**6), ("KB", 10**3), ("B", 1))
+
+
+def byte_unit(n: float) -> tuple[str, int]:
+    """The unit to print ``n`` bytes in and its size in bytes: the largest of GB, MB and KB
+    that ``n`` reaches, B below 1 KB (0 included)."""
+    return next(unit for unit in UNITS if abs(n) >= unit[1] or unit[1] == 1)
+
+
+def format_bytes(n: float, digits: int = 3) -> str:
+    """``n`` bytes in its unit to ``digits`` significant digits, or whole where the integer
+    part has more (``"120 GB"``, ``"1200 GB"``); below 1 KB the exact count: ``"0 B"``,
+    ``"511 B"``, ``"1.00 KB"``, ``"4.21 MB"``, ``"6.09 GB"``."""
+    rounded = float(f"{n:.{digits}g}")  # so that 999.9 KB to 3 digits is 1.00 MB, not 1000 KB
+    name, size = byte_unit(rounded)
+    if size == 1:
+        return f"{round(n)} B"
+    v = n / size
+    return f"{v:.{max(0, digits - 1 - math.floor(math.log10(abs(rounded) / size)))}f} {name}"
+
+
+def table_unit(values: Iterable[float], decimals: int = 3) -> tuple[str, Callable[[float], str]]:
+    """One unit for a table of byte counts, so that a column compares by eye: the unit of its
+    largest value, and the formatter of its cells (the number alone; the unit goes in the
+    title). ``decimals`` in that unit, so the largest cell has at least 4 significant digits
+    (ViT-L's GB tables print as they always have); more where the smallest nonzero cell would
+    round to zero, up to 6 (byte resolution in MB, KB in GB: the 512-byte allocation that the
+    fake backend rounds to still shows) and never finer than a byte."""
+    values = [abs(v) for v in values]
+    name, size = byte_unit(max(values, default=0))
+    smallest = min((v for v in values if v), default=size)
+    needed = math.ceil(-math.log10(2 * smallest / size))  # the decimals that round it above 0
+    places = min(max(decimals, needed), 6, round(math.log10(size)))
+    return name, lambda n: f"{n / size:.{places}f}"
 
 
 @dataclass(eq=False)
@@ -271,7 +310,8 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
     tracker = StorageTracker(round_to)
     params = [p for p in model.parameters()]
     trainable = [p for p in params if p.requires_grad]
-    started = parity.start(strategy, model, cls, kwargs, 1)
+    started = parity.start(strategy, model, cls, kwargs, 1, params=spec.optimizer_params(model),
+                           clip=spec.clip_grad_norm)
     stack.callback(started.close)
     with_grads = list({id(t): t for t in (*trainable, *started.optimized)}.values())
 

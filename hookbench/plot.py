@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Sequence
 
 from hookbench.coord_check import QUANTITIES, CoordCheck
-from hookbench.memory import CATEGORIES, MemoryResult
+from hookbench.memory import CATEGORIES, MemoryResult, byte_unit, format_bytes
 from hookbench.zero_paper import Row, paper_bytes
 
 __all__ = ["coord_check", "memory_timeline", "zero_paper"]
@@ -22,9 +22,10 @@ def memory_timeline(results: Sequence[MemoryResult], path: str | Path) -> Path:
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), sharey=True,
                              squeeze=False)
+    unit, size = byte_unit(max(r.peak for r in results))  # the shared axis: the highest peak's
     for ax, r in zip(axes[0], results):
         xs = range(len(r.timeline))
-        series = [[v[i] / 1e9 for _, v in r.timeline] for i in range(len(CATEGORIES))]
+        series = [[v[i] / size for _, v in r.timeline] for i in range(len(CATEGORIES))]
         ax.stackplot(xs, *series, labels=CATEGORIES, colors=[_COLORS[c] for c in CATEGORIES])
         start = 0
         for i in range(1, len(r.timeline) + 1):  # phase boundaries as thin lines with names
@@ -34,10 +35,10 @@ def memory_timeline(results: Sequence[MemoryResult], path: str | Path) -> Path:
                     ax.text(start, 0.0, f" {r.timeline[start][0]}", fontsize=7, rotation=90,
                             va="bottom")
                 start = i
-        ax.axhline(r.peak / 1e9, color="black", ls="--", lw=0.8)
-        ax.set_title(f"{r.strategy}\npeak {r.peak / 1e9:.2f} GB ({r.backend})", fontsize=9)
+        ax.axhline(r.peak / size, color="black", ls="--", lw=0.8)
+        ax.set_title(f"{r.strategy}\npeak {format_bytes(r.peak)} ({r.backend})", fontsize=9)
         ax.set_xlabel("allocation events in one step")
-    axes[0][0].set_ylabel("GB")
+    axes[0][0].set_ylabel(unit)
     axes[0][-1].legend(loc="upper right", fontsize=7)
     fig.suptitle(f"{results[0].model}, batch {results[0].batch_size}: memory during one "
                  f"training step", fontsize=10)

@@ -86,9 +86,10 @@ class Checks:
         return rows
 
     def assert_parity(self, workload: Workload) -> dict[str, dict[str, Any]]:
-        """Every strategy trains ``workload`` like its reference (the optimizer in backward
-        bit for bit like the for-loop step, grouped foreach within tolerance of foreach), or
-        refuses it by design (the optimizer in backward with fp16). Returns the rows."""
+        """Every strategy trains ``workload`` like its reference (the optimizer in backward,
+        per parameter and grouped, bit for bit like the for-loop step; grouped foreach and
+        bucketed within tolerance of foreach), or refuses it by design (the optimizer in
+        backward with fp16 or gradient clipping). Returns the rows."""
         from hookbench import workload_checks
 
         return self._require(workload_checks.trajectories(workload),
@@ -122,6 +123,14 @@ class Checks:
             pytest.fail(f"{workload.name}: peak memory above its bound:\n  " + "\n  ".join(over),
                         pytrace=False)
         return peaks
+
+    def assert_capture(self, workload: Workload) -> dict[str, Any]:
+        """``ActivationCapture`` on ``workload``'s training forward changes neither the loss
+        nor any gradient, records one output per module call and leaves no hook behind."""
+        from hookbench import workload_checks
+
+        return self._require(workload_checks.capture(workload),
+                             f"{workload.name}: activation capture changed the training step")
 
     def assert_hook_contract(self) -> None:
         """Every PyTorch hook behaviour the mechanisms rely on holds

@@ -7,17 +7,17 @@ makes ``hookbench report`` exit non-zero, so the report doubles as a CI check.
 from __future__ import annotations
 
 import platform
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from hookbench import launch, zero2_runs
 from hookbench.checks import Section, Verdict
-from hookbench.memory import CATEGORIES, MemoryResult, measure
+from hookbench.memory import CATEGORIES, MemoryResult, measure, table_unit
 from hookbench.parity import compare, parameters_only, trajectory
 from hookbench.workload import Workload
 
-__all__ = ["MEMORY_STRATEGIES", "memory_section", "render", "zero2_section"]
+__all__ = ["MEMORY_STRATEGIES", "memory_section", "render", "workload_section", "zero2_section"]
 
 
 MEMORY_STRATEGIES = ("foreach", "forloop", "fused", "in_backward", "in_backward_grouped_foreach",
@@ -37,10 +37,14 @@ def memory_section(results: list[MemoryResult],
     columns = ("strategy", "peak", "params", "grads", "opt state", "activations", "temporaries",
                "floor", "vs floor", "vs foreach", "grads alive at once")
     first = results[0] if results else None
+    # One unit for the whole table, from its largest cell (GB for ViT-L, MB for the zoo's
+    # small models), so that a column compares by eye.
+    unit, cell = table_unit(v for r in results for v in (
+        r.peak, *r.peak_breakdown.values(), r.floor, r.gradients_alive_max, r.all_gradients))
     section = Section(
         "Peak memory of one training step" + (
             f" ({first.model}, batch {first.batch_size}, {optimizer}, backend {first.backend}; "
-            f"GB)"
+            f"{unit})"
             if first else ""), columns)
     standard = next((r for r in results if r.strategy == "foreach"), None)
     for r in results:
@@ -52,11 +56,11 @@ def memory_section(results: list[MemoryResult],
         ok = not in_backward or ((standard is None or r.peak <= standard.peak * slack)
                                  and r.few_gradients_alive)
         section.add(
-            ok, r.strategy, f"{r.peak / 1e9:.3f}",
-            *(f"{r.peak_breakdown[c] / 1e9:.3f}" for c in CATEGORIES),
-            f"{r.floor / 1e9:.3f}", f"{r.above_floor:+.1%}",
+            ok, r.strategy, cell(r.peak),
+            *(cell(r.peak_breakdown[c]) for c in CATEGORIES),
+            cell(r.floor), f"{r.above_floor:+.1%}",
             "" if standard is None else f"{r.peak / standard.peak - 1:+.1%}",
-            f"{r.gradients_alive_max / 1e9:.3f} of {r.all_gradients / 1e9:.3f}",
+            f"{cell(r.gradients_alive_max)} of {cell(r.all_gradients)}",
         )
     for strategy, value in (stopped or {}).items():
         if "refused" in value:
@@ -84,10 +88,13 @@ def zero2_bound(r: MemoryResult, world: int, bucket_numel: int = ZERO2_BUCKET,
     Adam's two moments (8 Psi / N) and of the gradient (4 Psi / N). bf16 with fp32 masters
     (``mixed``): all bf16 parameters (2 Psi), its shard of the bf16 gradient (2 Psi / N), of the
     fp32 masters (4 Psi / N) and of Adam's moments (8 Psi / N): the ZeRO paper's 2 Psi +
-    14 Psi / N. Both plus the peak activations and one bucket of gradient elements."""
+    14 Psi / N. Both plus the peak activations and one bucket of gradient elements; mixed
+    precision also converts a bucket of its shard's gradient to fp32 for the step (at most the
+    shard: a model smaller than one bucket, a user's workload, converts its whole shard)."""
     p, size = r.parameters, 2 if mixed else 4  # p: the model's parameter bytes
+    converted = 4 * min(bucket_numel, p // size // world) if mixed else 0
     return (p + (7 if mixed else 3) * p // world + r.activations_peak
-            + size * min(bucket_numel, p // size))
+            + size * min(bucket_numel, p // size) + converted)
 
 
 MIXED = {"param_dtype": torch.bfloat16}  # the report's mixed-precision ZeRO-2
@@ -97,25 +104,59 @@ FP16 = {"param_dtype": torch.float16,
         "loss_scaling": {"init_scale": 2.0**18, "growth_interval": 2}}
 
 
+def workload_section(title: str, rows: dict[str, dict[str, Any]]) -> Section:
+    """A user's workload checked live (``hookbench.workload_checks`` rows): each row's parity
+    with its reference, its refusal by design, or what is wrong with it."""
+    section = Section(title, ("workload/check", "verdict"))
+    for key, value in rows.items():
+        if section.add_stopped(value, key):
+            continue
+        if "refused" in value:
+            section.add(True, key, f"refuses, as designed: {value['refused']}")
+        elif value.get("problems"):
+            section.add(False, key, "; ".join(value["problems"]))
+        elif "records" in value:
+            section.add(True, key, f"{value['records']} of {value['calls']} module calls "
+                                   f"recorded; loss and gradients bit for bit without capture")
+        else:
+            section.add(True, key, value.get("parity", "the reference the others follow"))
+    return section
+
+
 def zero2_section(spec: Workload, backend: str, standard: MemoryResult | None,
                   fused: MemoryResult | None,
-                  progress: Callable[[str], None] = lambda message: None) -> Section:
+                  progress: Callable[[str], None] = lambda message: None,
+                  parity: dict[str, dict[str, Any]] | None = None) -> Section:
     """Parity of ZeRO-2 on 2 spawned gloo ranks against single-process training (fp32) and
     against its single-process data-parallel reference (bf16 with fp32 masters), and rank 0's
     peak for N ranks against its bound, beside the single-device strategies (where
-    measured)."""
-    section = Section("ZeRO-2 (sharded gradient release): parity on gloo, and rank 0's peak "
-                      "(GB) against its bound, fp32 4 Psi + 12 Psi / N, bf16 with fp32 masters "
-                      "2 Psi + 14 Psi / N, each + activations + bucket", ("check", "verdict"))
+    measured). ``parity``: a user's workload's own ZeRO-2 row (``workload_checks.zero2``) in
+    place of the built-in model's parity rows."""
+    def title(unit: str) -> str:
+        return ("ZeRO-2 (sharded gradient release): parity on gloo, and rank 0's peak "
+                f"({unit}) against its bound, fp32 4 Psi + 12 Psi / N, bf16 with fp32 masters "
+                "2 Psi + 14 Psi / N, each + activations + bucket")
+
+    section = Section(title("GB"), ("check", "verdict"))
+    # The table's one unit and cell format, from the first row measured (N = 2 in fp32: the
+    # largest peak and bound, as both fall with N and bf16 is below fp32) and the one-device
+    # peaks beside it; the title takes that unit once the rows are in.
+    units: list[tuple[str, Callable[[float], str]]] = []
+    if parity is not None:
+        for key, value in parity.items():
+            if not section.add_stopped(value, key):
+                section.add(not value.get("problems"), key,
+                            "; ".join(value["problems"]) or value["parity"])
     progress("ZeRO-2: parity on 2 gloo ranks, fp32 and bf16 ...")
-    cases = zero2_runs.parity_cases()
+    cases = zero2_runs.parity_cases() if parity is None else []
     mixed = [{**case, "kwargs": {**case["kwargs"], **extra}}
              for extra in (MIXED, FP16) for case in cases]
+    ranks = None
     try:
-        ranks = launch.run(zero2_runs.trajectories, 2, cases + mixed)
+        if cases:
+            ranks = launch.run(zero2_runs.trajectories, 2, cases + mixed)
     except Exception as e:  # noqa: BLE001 - a crashed rank is a failed row, not a traceback
         section.add(False, "parity on 2 gloo ranks", f"FAILED: {type(e).__name__}: {e}")
-        ranks = None
     for i, case in enumerate(cases if ranks else ()):
         ref = parameters_only(trajectory(case["spec"], case["optimizer_class"], case["kwargs"],
                                          "forloop", steps=case["steps"]))
@@ -154,13 +195,19 @@ def zero2_section(spec: Workload, backend: str, standard: MemoryResult | None,
                 bound = zero2_bound(r, n, mixed=bool(extra))
                 ok = (r.peak <= bound * (1 + ZERO2_SLACK)
                       and r.few_gradients_alive)
+                if not units:
+                    units.append(table_unit([r.peak, bound, *(s.peak for s in (standard, fused)
+                                                               if s is not None)]))
+                cell = units[0][1]
                 beside = "" if standard is None or fused is None or extra else (
-                    f"; one device: foreach {standard.peak / 1e9:.3f}, in backward "
-                    f"{fused.peak / 1e9:.3f}")
-                return ok, (f"peak {r.peak / 1e9:.3f} = {r.peak / bound:.2f}x the bound "
-                            f"{bound / 1e9:.3f} (fails above {1 + ZERO2_SLACK:.2f}x)" + beside)
+                    f"; one device: foreach {cell(standard.peak)}, in backward "
+                    f"{cell(fused.peak)}")
+                return ok, (f"peak {cell(r.peak)} = {r.peak / bound:.2f}x the bound "
+                            f"{cell(bound)} (fails above {1 + ZERO2_SLACK:.2f}x)" + beside)
 
             section.attempt(f"{spec.name} rank 0 of {n}{label}", check=check)
+    if units:  # else no row printed an amount
+        section.title = title(units[0][0])
     return section
 
 

@@ -23,14 +23,31 @@ build under ``torch.device("meta")`` (the fake memory backend, parameter counts 
 read from that), and the ZeRO-2 checks pickle the workload into spawned ranks: use
 module-level functions there, not lambdas.
 
+``batch`` returns ``(inputs, target)``: inputs a tensor (``model(x)``), a tuple of tensors
+(``model(*x)``) or a dict of them (``model(**x)``: ``input_ids``, ``attention_mask``, ...).
+
 Options (one field each):
     precision      "fp32"; "bf16": forward and loss under ``torch.autocast(dtype=bfloat16)``;
                    "fp16": under float16 autocast with a ``torch.amp.GradScaler``, where the
                    strategy supports it (the optimizer in backward refuses fp16, in words)
-    checkpointing  "none"; "blocks": every top-level child of the model runs under
+    checkpointing  "none"; "blocks": every top-level child of the model; a module class (or a
+                   tuple of them, e.g. ``GPT2Block``) or a ``re.compile()``d pattern matched
+                   against the full module names (``re.compile(r"blocks\\.\\d+")``): every
+                   matching module not inside another one. Each runs under
                    ``torch.utils.checkpoint(use_reentrant=False)``
     compile        None, or a ``torch.compile`` backend name ("eager", "inductor"), compiled in
                    place (``Module.compile``) so that parameter names do not change
+    param_groups   None (every parameter, the optimizer's options), or a function of the model
+                   returning torch param groups, e.g. no weight decay on biases and norms
+    lr_scheduler   None, or (a torch.optim.lr_scheduler class, its options), stepped after
+                   every optimizer step
+    clip_grad_norm None, or the max global gradient norm (``clip_grad_norm_`` before each
+                   step) where the strategy supports it; the optimizer in backward refuses it
+    seed           the model's initialisation, the data, and the random numbers the forward
+                   draws (dropout): every forward of batch ``i`` (a ZeRO-2 rank's: of its share
+                   ``r``) runs on the global RNG seeded from (seed, i, r) and restored after
+                   it, so every strategy draws the same masks and a ZeRO-2 rank draws the ones
+                   the single-process reference draws for that share
 """
 
 from __future__ import annotations
@@ -38,11 +55,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import importlib
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -69,6 +88,9 @@ class Workload:
     checkpointing: str = "none"
     compile: str | None = None
     seed: int = 0
+    param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None
+    lr_scheduler: tuple[type, dict[str, Any]] | None = None
+    clip_grad_norm: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
@@ -79,17 +101,33 @@ class Workload:
             if not callable(getattr(self, field)):
                 raise TypeError(f"Workload {self.name!r}: {field} must be callable, got "
                                 f"{type(getattr(self, field)).__name__}")
-        cls, kwargs = _pair(self.optimizer, self.name)
+        cls, kwargs = _pair(self.optimizer, self.name, "optimizer")
         if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
             raise TypeError(f"Workload {self.name!r}: optimizer must be (a torch.optim."
                             f"Optimizer class, a dict of its options), got {cls!r}")
         if not isinstance(kwargs, dict):
             raise TypeError(f"Workload {self.name!r}: the optimizer's options must be a dict, "
                             f"got {type(kwargs).__name__}")
-        for field, allowed in (("precision", PRECISIONS), ("checkpointing", CHECKPOINTING)):
-            if getattr(self, field) not in allowed:
-                raise ValueError(f"Workload {self.name!r}: {field} must be one of {allowed}, "
-                                 f"got {getattr(self, field)!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Workload {self.name!r}: precision must be one of {PRECISIONS}, "
+                             f"got {self.precision!r}")
+        _selector(self.checkpointing, self.name)
+        if self.param_groups is not None and not callable(self.param_groups):
+            raise TypeError(f"Workload {self.name!r}: param_groups must be a function of the "
+                            f"model returning param groups, got {self.param_groups!r}")
+        if self.lr_scheduler is not None:
+            scheduler, options = _pair(self.lr_scheduler, self.name, "lr_scheduler")
+            if not (isinstance(scheduler, type) and isinstance(options, dict)
+                    and issubclass(scheduler, torch.optim.lr_scheduler.LRScheduler)):
+                raise TypeError(f"Workload {self.name!r}: lr_scheduler must be (a torch.optim."
+                                f"lr_scheduler class, a dict of its options), got "
+                                f"{self.lr_scheduler!r}")
+        if self.clip_grad_norm is not None and (
+                isinstance(self.clip_grad_norm, bool)
+                or not isinstance(self.clip_grad_norm, (int, float))
+                or not 0 < self.clip_grad_norm < float("inf")):
+            raise ValueError(f"Workload {self.name!r}: clip_grad_norm must be None or a "
+                             f"positive number, got {self.clip_grad_norm!r}")
         if self.compile is not None and not (isinstance(self.compile, str) and self.compile):
             raise TypeError(f"Workload {self.name!r}: compile must be None or a torch.compile "
                             f"backend name, got {self.compile!r}")
@@ -112,16 +150,16 @@ class Workload:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Workload {self.name!r}: model() must return an nn.Module, got "
                             f"{type(model).__name__}")
-        if self.checkpointing == "blocks":
-            children = list(model.children())
-            if not children:
-                raise ValueError(f"Workload {self.name!r}: checkpointing='blocks' wraps the "
-                                 f"model's top-level children, and {type(model).__name__} has "
-                                 f"none")
-            for child in children:
+        if self.checkpointing != "none":
+            blocks = _checkpointed(model, self.checkpointing)
+            if not blocks:
+                raise ValueError(f"Workload {self.name!r}: checkpointing="
+                                 f"{_describe(self.checkpointing)} selects no module of "
+                                 f"{type(model).__name__}")
+            for block in blocks:
                 # An instance attribute: Module.__call__ (and its hooks) run as before, only
                 # the block's own forward is recomputed in backward.
-                child.forward = functools.partial(checkpoint, child.forward, use_reentrant=False)
+                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
         if self.compile is not None:
             model.compile(backend=self.compile)  # in place: parameter names stay as they are
         return model
@@ -134,16 +172,49 @@ class Workload:
             raise TypeError(f"Workload {self.name!r}: batch(generator) must return "
                             f"(inputs, target), got {type(got).__name__}")
         inputs, target = got
-        tensors = inputs if isinstance(inputs, tuple) else (inputs,)
+        tensors = (inputs.values() if isinstance(inputs, dict) else
+                   inputs if isinstance(inputs, tuple) else (inputs,))
         if not all(torch.is_tensor(t) for t in (*tensors, target)):
-            raise TypeError(f"Workload {self.name!r}: inputs must be a tensor or a tuple of "
-                            f"tensors, and target a tensor")
+            raise TypeError(f"Workload {self.name!r}: inputs must be a tensor, a tuple of "
+                            f"tensors or a dict of them, and target a tensor")
         return inputs, target
 
     @property
     def batch_size(self) -> int:
-        inputs, _ = self.data(0)
-        return len(inputs[0] if isinstance(inputs, tuple) else inputs)
+        return len(self.data(0)[1])
+
+    def optimizer_params(self, model: nn.Module) -> list[dict[str, Any]] | None:
+        """The param groups ``param_groups(model)`` returns, or None: every parameter."""
+        if self.param_groups is None:
+            return None
+        groups = list(self.param_groups(model))
+        if not groups or not all(isinstance(g, dict) and "params" in g for g in groups):
+            raise TypeError(f"Workload {self.name!r}: param_groups(model) must return a "
+                            f"non-empty list of dicts with 'params', got {groups!r:.200}")
+        return [{**g, "params": list(g["params"])} for g in groups]
+
+    def scheduler(self, optimizer: Any) -> Any:
+        """The LR scheduler over ``optimizer``'s param groups, or None."""
+        if self.lr_scheduler is None:
+            return None
+        cls, options = self.lr_scheduler
+        return cls(optimizer, **options)
+
+    @contextlib.contextmanager
+    def forward_rng(self, index: int, share: int = 0,
+                    device: str | torch.device = "cpu") -> Iterator[None]:
+        """The global RNG (CPU, and ``device``'s if CUDA) seeded from (seed, index, share),
+        restored on exit: what the forward of batch ``index``'s ``share`` draws from."""
+        device = torch.device(device)
+        cuda = [device] if device.type == "cuda" else []
+        digest = hashlib.sha256(f"{self.seed}/{index}/{share}".encode()).digest()
+        seed = int.from_bytes(digest[:8], "little") >> 1
+        with torch.random.fork_rng(devices=cuda):
+            torch.default_generator.manual_seed(seed)
+            if cuda:
+                with torch.cuda.device(device):
+                    torch.cuda.manual_seed(seed)
+            yield
 
     @property
     def parameter_dtype(self) -> torch.dtype:
@@ -163,23 +234,82 @@ class Workload:
             return None
         return torch.amp.GradScaler(torch.device(device).type)
 
-    def compute_loss(self, model: nn.Module, inputs: Any, target: torch.Tensor) -> torch.Tensor:
-        """Forward and loss under the precision's autocast."""
+    def compute_loss(self, model: nn.Module, inputs: Any, target: torch.Tensor,
+                     key: tuple[int, int] | None = None) -> torch.Tensor:
+        """Forward and loss under the precision's autocast; with ``key`` (batch index, share)
+        on the RNG ``forward_rng`` seeds for it."""
         device = target.device
-        with self.autocast(device):
-            output = model(*inputs) if isinstance(inputs, tuple) else model(inputs)
-            return self.loss(output, target)
+        rng = contextlib.nullcontext() if key is None else self.forward_rng(*key, device=device)
+        with rng, self.autocast(device):
+            return self.loss(self.forward(model, inputs), target)
+
+    @staticmethod
+    def forward(model: nn.Module, inputs: Any) -> Any:
+        """``model`` on ``inputs``: ``model(x)``, ``model(*x)`` for a tuple, ``model(**x)`` for
+        a dict."""
+        if isinstance(inputs, dict):
+            return model(**inputs)
+        return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
 
 
-def _pair(optimizer: Any, name: str) -> tuple[Any, Any]:
-    if not (isinstance(optimizer, tuple) and len(optimizer) == 2):
-        raise TypeError(f"Workload {name!r}: optimizer must be a (class, kwargs) pair, e.g. "
-                        f"(torch.optim.AdamW, {{'lr': 1e-3}}), got {optimizer!r}")
-    return optimizer
+def _pair(pair: Any, name: str, field: str) -> tuple[Any, Any]:
+    if not (isinstance(pair, tuple) and len(pair) == 2):
+        raise TypeError(f"Workload {name!r}: {field} must be a (class, kwargs) pair, e.g. "
+                        f"(torch.optim.AdamW, {{'lr': 1e-3}}), got {pair!r}")
+    return pair
+
+
+def _describe(selector: Any) -> str:
+    if isinstance(selector, tuple):
+        return f"({', '.join(c.__name__ for c in selector)})"
+    if isinstance(selector, re.Pattern):
+        return f"re.compile({selector.pattern!r})"
+    return selector.__name__ if isinstance(selector, type) else repr(selector)
+
+
+def _selector(selector: Any, name: str) -> None:
+    """Validate ``checkpointing``: a keyword, a module class or tuple of them, or a compiled
+    regular expression (a plain string is a keyword, so that a typo is not a pattern)."""
+    classes = selector if isinstance(selector, tuple) else (selector,)
+    if classes and all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        return
+    if isinstance(selector, re.Pattern):
+        return
+    if isinstance(selector, str):
+        if selector not in CHECKPOINTING:
+            raise ValueError(f"Workload {name!r}: checkpointing must be one of {CHECKPOINTING}, "
+                             f"a module class or a re.compile()d pattern over module names, "
+                             f"got {selector!r}")
+        return
+    raise TypeError(f"Workload {name!r}: checkpointing must be one of {CHECKPOINTING}, a "
+                    f"module class (or a tuple of them) or a re.compile()d pattern over module "
+                    f"names, got {selector!r}")
+
+
+def _checkpointed(model: nn.Module, selector: Any) -> list[nn.Module]:
+    """The modules ``selector`` picks, outermost first, none inside another one picked (a
+    checkpoint inside a checkpoint would recompute the inner block twice)."""
+    if selector == "blocks":
+        return list(model.children())
+    if isinstance(selector, re.Pattern):
+        chosen = lambda name, m: bool(name) and selector.fullmatch(name)  # noqa: E731
+    else:
+        chosen = lambda name, m: isinstance(m, selector)  # noqa: E731
+    picked: list[str] = []
+    out = []
+    for name, module in model.named_modules():
+        if any(name.startswith(p + ".") for p in picked):
+            continue
+        if chosen(name, module):
+            picked.append(name)
+            out.append(module)
+    return out
 
 
 def to_device(inputs: Any, device: str | torch.device) -> Any:
-    """Inputs (a tensor or a tuple of tensors) on ``device``."""
+    """Inputs (a tensor, a tuple of tensors or a dict of them) on ``device``."""
+    if isinstance(inputs, dict):
+        return {k: t.to(device) for k, t in inputs.items()}
     if isinstance(inputs, tuple):
         return tuple(t.to(device) for t in inputs)
     return inputs.to(device)

@@ -9,42 +9,56 @@ For each ``hookbench.Workload`` (rows keyed ``name/what``):
     name/in_backward                    ``OptimizerInBackward``: bit for bit the for-loop step
                                         (identical arithmetic), within the foreach tolerance
                                         where the model is compiled
+    name/in_backward_grouped            grouped by module, for-loop: bit for bit the for-loop
     name/in_backward_grouped_foreach    the grouped foreach mode, within tolerance of foreach
+    name/in_backward_bucketed           DDP-style 25 MiB buckets, foreach in each: within
+                                        tolerance of foreach
     name/zero2                          ``Zero2`` on ZERO2_RANKS gloo ranks against the for-loop
                                         step on the ranks' shares of each batch in one process
                                         (``zero2_runs.TOLERANCE``), no
                                         gradient left on a parameter, every hook once
+    name/capture                        ``ActivationCapture`` on the training forward: the
+                                        loss and every gradient bit for bit those without it,
+                                        one record per module call, no hook left after it
     name/memory/<strategy>              one step's peak on the fake backend; the optimizer in
                                         backward must not exceed the standard step's peak, and
                                         neither it nor ZeRO-2 may hold every gradient at once
 
+Dropout and every other random number a forward draws come from the RNG the workload seeds
+per batch and share (``Workload.forward_rng``), so they are the same in every run compared.
 A strategy that refuses the workload by design (the optimizer in backward with fp16, which
-needs a GradScaler that sees every gradient first) is checked to refuse, in words, before it
+needs a GradScaler that sees every gradient first, or with gradient clipping, which needs
+every gradient's norm) is checked to refuse, in words, before it
 changes anything: the row is ``{"refused": message}``, and it fails if the strategy accepts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from hookbench import launch, zero2_runs
 from hookbench.baselines import fingerprint
 from hookbench.memory import measure
-from hookbench.parity import (Tolerance, compare, parameters_only, tolerance, training,
-                              trajectory)
+from hookbench.parity import (NoiseBounds, Tolerance, compare, parameters_only,
+                              rounding_level, tolerance, training, trajectory)
 from hookbench.prerequisites import attempt
 from hookbench.workload import Workload
 
-__all__ = ["MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS", "measure_all", "memory",
-           "refusal", "refused_words", "trajectories", "zero2"]
+__all__ = ["MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS", "bucket", "capture", "measure_all",
+           "memory", "refusal", "refused_words", "trajectories", "zero2"]
 
-STRATEGIES = ("forloop", "foreach", "in_backward", "in_backward_grouped_foreach")
+STRATEGIES = ("forloop", "foreach", "in_backward", "in_backward_grouped",
+              "in_backward_grouped_foreach", "in_backward_bucketed")
 # Against what each strategy's parameters are compared, and whether the arithmetic is identical.
 _REFERENCE = {"foreach": ("forloop", False), "in_backward": ("forloop", True),
-              "in_backward_grouped_foreach": ("foreach", False)}
+              "in_backward_grouped": ("forloop", True),
+              "in_backward_grouped_foreach": ("foreach", False),
+              "in_backward_bucketed": ("foreach", False)}
 MEMORY_STRATEGIES = ("foreach", "in_backward", "zero2")
 STEPS = 3
 # Elements of each parameter stored for the comparison on another CPU (with its float64 norm):
@@ -63,9 +77,14 @@ _AUTOCAST_TOLERANCE = {"bf16": Tolerance(rtol=2e-3, atol=1e-4),
 
 def refusal(workload: Workload, strategy: str) -> str | None:
     """Why ``strategy`` refuses ``workload`` by design, or None."""
-    if workload.precision == "fp16" and strategy.startswith("in_backward"):
+    if not strategy.startswith("in_backward"):
+        return None
+    if workload.precision == "fp16":
         return ("the optimizer in backward refuses fp16: a GradScaler must see every gradient "
                 "before any parameter is stepped")
+    if workload.clip_grad_norm is not None:
+        return ("the optimizer in backward refuses global gradient-norm clipping: the norm "
+                "needs every gradient before any parameter is stepped")
     return None
 
 
@@ -94,7 +113,7 @@ def _refused(workload: Workload, strategy: str) -> dict[str, Any]:
         trajectory(workload, cls, kwargs, strategy, steps=1)
     except (ValueError, RuntimeError) as e:
         return {"refused": refused_words(f"{type(e).__name__}: {e}")}
-    return {"problems": [f"{strategy} trained a {workload.precision} workload; it must refuse "
+    return {"problems": [f"{strategy} trained the workload; it must refuse "
                          f"({refusal(workload, strategy)})"]}
 
 
@@ -130,26 +149,32 @@ def trajectories(workload: Workload) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _bucket(workload: Workload) -> int:
+def bucket(workload: Workload) -> int:
     """A quarter of the trainable elements, so that one backward reduces several buckets."""
     with torch.device("meta"):
         numel = sum(p.numel() for p in workload.model().parameters() if p.requires_grad)
     return max(1, math.ceil(numel / 4))
 
 
-def _data_parallel(workload: Workload, kwargs: dict[str, Any]) -> list:
+def _data_parallel(workload: Workload, kwargs: dict[str, Any]) -> tuple[list, NoiseBounds]:
     """The reference for ZeRO-2: the for-loop step on the mean of the ranks' losses, each on
-    its share of the batch, in one process. Against the whole batch in one forward, low
-    precision would round differently (a bf16 mean over 8 rows is not the mean of two bf16
-    means over 4) and Adam turns those roundings into whole steps; this way only the order of
-    the fp32 gradient sum differs."""
+    its share of the batch and its random numbers, in one process; and the bounds of the
+    elements whose gradient is at rounding level (``parity.rounding_level``), where Adam turns
+    another order of the same float32 additions into whole steps. Against the whole batch in
+    one forward, low precision would round differently (a bf16 mean over 8 rows is not the
+    mean of two bf16 means over 4); this way only the order of the fp32 gradient sum
+    differs."""
+    noise = NoiseBounds()
     with training(workload, workload.optimizer[0], kwargs, "forloop") as run:
         snapshots = []
         for i in range(STEPS):
-            run.step_on([zero2_runs.local_batch(workload, i, r, ZERO2_RANKS, "cpu")
-                         for r in range(ZERO2_RANKS)])
+            batches = [zero2_runs.local_batch(workload, i, r, ZERO2_RANKS, "cpu")
+                       for r in range(ZERO2_RANKS)]
+            keys = [(i, r) for r in range(ZERO2_RANKS)]
+            noise.add(run, rounding_level(workload, run.model, batches, keys))
+            run.step_on(batches, keys)
             snapshots.append(run.snapshot())
-    return parameters_only(snapshots)
+    return parameters_only(snapshots), noise
 
 
 def zero2(workloads: list[Workload], fault: str | None = None,
@@ -157,7 +182,7 @@ def zero2(workloads: list[Workload], fault: str | None = None,
     """ZeRO-2 on ``ZERO2_RANKS`` gloo ranks for every workload, from one start of the ranks (a
     fault is injected inside them): parity with the for-loop step on the whole batch."""
     cases = [dict(spec=w, optimizer_class=w.optimizer[0],
-                  kwargs={**w.optimizer[1], "foreach": False}, bucket_numel=_bucket(w),
+                  kwargs={**w.optimizer[1], "foreach": False}, bucket_numel=bucket(w),
                   steps=STEPS, fault=fault) for w in workloads]
     ranks = launch.run(zero2_runs.trajectories, ZERO2_RANKS, cases, timeout=timeout)
     out = {}
@@ -167,17 +192,65 @@ def zero2(workloads: list[Workload], fault: str | None = None,
             problems = zero2_runs.rank_problems(got)
             if any(g["error"] for g in got):
                 return {"problems": problems}
-            result = compare(got[0]["snapshots"], _data_parallel(w, case["kwargs"]),
-                             zero2_runs.TOLERANCE)
+            reference, noise = _data_parallel(w, case["kwargs"])
+            # Another order of the fp32 gradient sum (and of a clipping norm): an ulp apart,
+            # which autocast turns into a low-precision rounding now and then, as above.
+            t = _AUTOCAST_TOLERANCE.get(w.precision, zero2_runs.TOLERANCE)
+            result = compare(got[0]["snapshots"], reference, t, noise.steps)
             if not result.ok:
                 problems.append(f"vs single-process training: {result.verdict()}")
-            t = zero2_runs.TOLERANCE
             return {**fingerprint(got[0]["snapshots"], SAMPLE), "problems": problems,
                     "parity": f"vs forloop on the ranks' shares: {result.verdict()}",
                     "tolerance": {"rtol": t.rtol, "atol": t.atol}}
 
         out[f"{w.name}/zero2"] = attempt(row)
     return out
+
+
+def capture(workload: Workload) -> dict[str, dict[str, Any]]:
+    """``ActivationCapture`` (statistics of every submodule's output) on one training forward
+    and backward of batch 0, against the same step without it (``capture`` row)."""
+    from hookbench.activation_capture import ActivationCapture
+
+    def run() -> dict[str, Any]:
+        x, y = workload.data(0)
+        results, calls = [], []
+        for captured in (False, True):
+            model = workload.build()
+            counts: dict[int, int] = {}
+
+            def count(module, args, output) -> None:  # independent of the capture's own hooks
+                if any(torch.is_tensor(t) for t in tree_leaves(output)):  # what is recordable
+                    counts[id(module)] = counts.get(id(module), 0) + 1
+
+            # Both closed before backward: a block that checkpointing recomputes there runs
+            # its submodules' forward hooks again (not a forward call of the step).
+            with contextlib.ExitStack() as stack:
+                cap = (stack.enter_context(ActivationCapture(model, stats=True))
+                       if captured else None)
+                stack.callback(torch.nn.modules.module.register_module_forward_hook(count).remove)
+                loss = workload.compute_loss(model, x, y, (0, 0))
+            loss.backward()
+            submodules = {id(m) for n, m in model.named_modules() if n}
+            calls.append(sum(n for key, n in counts.items() if key in submodules))
+            left = [n for n, m in model.named_modules() if m._forward_hooks]
+            # a call whose output holds several tensors (a tuple) gives a record for each
+            results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()},
+                            cap and len({(r.name, r.call) for r in cap.records}), left))
+        (plain, plain_grads, _, _), (loss, grads, records, left) = results
+        problems = []
+        if not torch.equal(loss, plain) or any(
+                (g is None) != (plain_grads[n] is None)
+                or (g is not None and not torch.equal(g, plain_grads[n]))
+                for n, g in grads.items()):
+            problems.append("the captured step's loss or gradients differ from the plain step's")
+        if records != calls[1]:
+            problems.append(f"{records} calls recorded of {calls[1]} submodule calls")
+        if left:
+            problems.append(f"forward hooks left on {left[:3]} after the capture closed")
+        return {"records": records, "calls": calls[1], "problems": problems}
+
+    return {f"{workload.name}/capture": attempt(run)}
 
 
 def memory(workload: Workload) -> dict[str, dict[str, Any]]:
@@ -194,7 +267,7 @@ def memory(workload: Workload) -> dict[str, dict[str, Any]]:
         def one(strategy: str = strategy) -> dict[str, Any]:
             zero = strategy == "zero2"
             r = measure(eager, strategy, optimizer_class=cls,
-                        optimizer_kwargs={**kwargs, "bucket_numel": _bucket(workload)}
+                        optimizer_kwargs={**kwargs, "bucket_numel": bucket(workload)}
                         if zero else kwargs, world_size=ZERO2_MEMORY_WORLD if zero else 1)
             measured[strategy] = r
             problems = []
@@ -227,5 +300,6 @@ def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str
         out.update({f"{w.name}/zero2": {"error": f"{type(e).__name__}: {e}"}
                     for w in workloads})
     for w in workloads:
+        out.update(capture(w))
         out.update(memory(w))
     return out

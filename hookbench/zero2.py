@@ -17,11 +17,13 @@ With N data-parallel ranks:
   by owner, and each owner's region is reduced to it in place (one ``dist.reduce`` per owning
   rank, so a bucket costs its own size and not N times it; no concatenated copy) and averaged;
 * at the end of each backward one small all-reduce tells every rank which parameters got a
-  gradient on any rank, and whether any rank's shard holds an inf/NaN. A parameter that got
-  none anywhere keeps ``grad=None`` on its pieces, so the optimizer leaves it and its state
-  untouched, as a standard ``optimizer.step()`` does (DeepSpeed instead zero-fills and moves
-  it). A non-finite gradient on any rank makes every rank's shard gradient NaN, so a
-  ``torch.amp.GradScaler`` skips the step on every rank alike, and updates its scale alike;
+  gradient on any rank, whether any rank's shard holds an inf/NaN, and whether any rank has
+  unfrozen a parameter that was frozen at construction (not sharded, so ``step()`` refuses on
+  every rank, before anything changes: build a new Zero2). A parameter that got none anywhere
+  keeps ``grad=None`` on its pieces, so the optimizer leaves it and its state untouched, as a
+  standard ``optimizer.step()`` does (DeepSpeed instead zero-fills and moves it). A non-finite
+  gradient on any rank makes every rank's shard gradient NaN, so a ``torch.amp.GradScaler``
+  skips the step on every rank alike, and updates its scale alike;
 * ``step()`` updates the owned pieces, then an all-gather rebuilds the full flat buffer on every
   rank. Micro-batches accumulate into the shard's gradient; call ``step()`` after the last of
   them, then ``zero_grad()``, as with a standard optimizer. ``clip_grad_norm_`` clips by the
@@ -271,6 +273,11 @@ class Zero2:
         self._unscaled_backward = False  # fp16: a backward since zero_grad() had no scale()
         self._nonfinite = False  # some rank's reduced gradient held an inf/NaN since zero_grad
         self._clip_coef: torch.Tensor | None = None  # mixed: clipping, applied in step()
+        # Not flattened, so unfrozen later their gradients would be neither reduced nor stepped:
+        # each backward checks them, and step() refuses while any is unfrozen on any rank.
+        self._frozen = [p for p in self.names if not p.requires_grad]
+        # names of those this rank saw unfrozen since zero_grad(); None where no rank saw any
+        self._unfrozen: list[str] | None = None
         self._regions = _regions(self.flats, bucket_numel, self.world)
         self._region_of: dict[tuple[int, int], list[_Region]] = {}
         for region in self._regions:
@@ -347,18 +354,21 @@ class Zero2:
         self._graph_task = -1
         local = [int(m in self._arrived) for m in self._members]
         self._arrived.clear()
+        unfrozen = [self.names[p] for p in self._frozen if p.requires_grad or p.grad is not None]
         if self.simulated:
-            used, nonfinite = local, False
+            used, nonfinite, anywhere = local, False, bool(unfrozen)
         else:
             # the largest |g| is inf or NaN exactly when some element is; no shard-sized temporary
             bad = [f.grad is not None
                    and not bool(torch.isfinite(torch.linalg.vector_norm(f.grad, float("inf"))))
                    for f in self.flats]
-            flags = torch.tensor([*local, int(any(bad))], dtype=torch.int32,
+            flags = torch.tensor([*local, int(any(bad)), int(bool(unfrozen))], dtype=torch.int32,
                                  device=self.flats[0].buffer.device)
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-            *used, nonfinite = flags.tolist()
+            *used, nonfinite, anywhere = flags.tolist()
         self._nonfinite = self._nonfinite or bool(nonfinite)
+        if anywhere:  # refused by step(); raising here would leave the flat gradients half done
+            self._unfrozen = sorted({*(self._unfrozen or ()), *unfrozen})
         for member, u in zip(self._members, used):
             self._got_grad[member] = self._got_grad.get(member, False) or bool(u)
         for g, flat in enumerate(self.flats):
@@ -426,6 +436,7 @@ class Zero2:
         and the norm is the unscaled gradient's (fp16 loss scaling)."""
         if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or max_norm <= 0:
             raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+        self._refuse_unfrozen()  # the norm would leave their gradients out
         norm_type = float(norm_type)
         grads = [self._shard_grad(f) for f in self.flats if f.grad is not None]
         device = self.flats[0].buffer.device
@@ -455,6 +466,7 @@ class Zero2:
     @torch.no_grad()
     def step(self) -> None:
         """Step the owned pieces, then all-gather so every rank holds the full parameters."""
+        self._refuse_unfrozen()
         if any(r.arrived for r in self._regions):
             raise RuntimeError("step() with gradients still in a bucket: backward did not end")
         if self._unscaled_backward:
@@ -505,6 +517,29 @@ class Zero2:
         if self.loss_scale is not None:
             self._update_scale(found_inf=False)
 
+    def _refuse_unfrozen(self) -> None:
+        """Raise on every rank alike, before anything changes, if a backward since zero_grad()
+        found a parameter frozen at construction unfrozen (the flag was all-reduced, so every
+        rank is here to gather which ranks saw which)."""
+        if self._unfrozen is None:
+            return
+        every = {self.rank: self._unfrozen}
+        if not self.simulated:
+            gathered: list[Any] = [None] * self.world
+            dist.all_gather_object(gathered, self._unfrozen, group=self.group)
+            every = dict(enumerate(gathered))
+        seen = {n: [r for r, names in every.items() if n in names]
+                for names in every.values() for n in names}
+        raise ValueError(
+            "parameters frozen when Zero2 was built now require grad or have a .grad: "
+            + ", ".join(f"'{n}' (rank{'s' * (len(r) > 1)} {', '.join(map(str, r))})"
+                        for n, r in seen.items())
+            + ". Zero2 partitions, reduces and steps only the parameters that required grad at "
+            "construction, so their gradients would be neither reduced nor stepped and training "
+            "would go on silently wrong. Nothing has changed: remove() this Zero2 and build a "
+            "new one after changing requires_grad (once the layer is unfrozen), or unfreeze it "
+            "before construction")
+
     def _update_scale(self, found_inf: bool) -> None:
         """GradScaler.update's schedule (torch._amp_update_scale_), in Python: the inf/NaN
         flag is already on the host."""
@@ -523,7 +558,7 @@ class Zero2:
     def zero_grad(self) -> None:
         self._got_grad.clear()
         self._nonfinite = self._unscaled_backward = False
-        self._clip_coef = None
+        self._clip_coef, self._unfrozen = None, None
         for flat in self.flats:
             flat.grad = None
             for _, piece, _, _ in flat.owned:

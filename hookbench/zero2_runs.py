@@ -61,7 +61,7 @@ def local_batch(spec: Any, index: int, rank: int, world: int, device: str):
         raise ValueError(f"batch of {len(y)} does not split over {world} ranks")
     b = len(y) // world
     share = slice(rank * b, (rank + 1) * b)
-    x = tuple(t[share] for t in x) if isinstance(x, tuple) else x[share]
+    x = tree_map(lambda t: t[share], x)  # a tensor, a tuple or a dict of them
     return to_device(x, device), y[share].to(device)
 
 
@@ -98,8 +98,12 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     named = dict(model.named_parameters())
     params = None if groups is None else [{"params": [named[n] for n in names], **options}
                                           for names, options in groups]
+    if params is None:
+        params = spec.optimizer_params(model)
+    clipping = clipping or spec.clip_grad_norm or 0.0
     with inject(fault), Zero2(model, optimizer_class, params, bucket_numel=bucket_numel,
                               **kwargs) as zero:
+        scheduler = spec.scheduler(zero.optimizer)
         result.update(shard_numel=sum(f.shard_numel for f in zero.flats))
         mixed = zero.param_dtype is not None
         if zero.loss_scale is not None:  # fp16 mixed precision scales its own loss
@@ -109,9 +113,11 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
         try:
             for i in range(steps):
                 for micro in range(accumulation):
-                    x, y = local_batch(spec, i * accumulation + micro, rank, world, device)
+                    index = i * accumulation + micro
+                    x, y = local_batch(spec, index, rank, world, device)
                     zero.hook_calls.clear()  # so that a backward whose hooks never fire shows
-                    loss = spec.compute_loss(model, x, y) / accumulation
+                    # the random numbers (dropout) the reference draws for this share
+                    loss = spec.compute_loss(model, x, y, (index, rank)) / accumulation
                     if zero.loss_scale is not None:
                         loss = zero.scale(loss)
                     elif scaler is not None:
@@ -134,6 +140,8 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                     scaler.step(zero)
                     scaler.update()
                 zero.zero_grad()
+                if scheduler is not None:
+                    scheduler.step()
                 snapshots.append({n: p.detach().cpu().clone()
                                   for n, p in model.named_parameters()})
                 if mixed:
@@ -211,9 +219,10 @@ def mixed_reference(spec: Any, optimizer_class: type, kwargs: dict, steps: int, 
         for micro in range(accumulation):
             summed = [torch.zeros(p.numel(), dtype=reduce_dtype) for p in trainable]
             for rank in range(world):
-                x, y = local_batch(spec, i * accumulation + micro, rank, world, "cpu")
+                index = i * accumulation + micro
+                x, y = local_batch(spec, index, rank, world, "cpu")
                 x = tree_map(lambda t: t.to(param_dtype) if t.is_floating_point() else t, x)
-                loss = of(spec).compute_loss(model, x, y) / accumulation
+                loss = of(spec).compute_loss(model, x, y, (index, rank)) / accumulation
                 (loss if scaler is None else scaler.scale(loss)).backward()
                 for s, p in zip(summed, trainable):
                     s += p.grad.reshape(-1).to(reduce_dtype)

@@ -4,7 +4,9 @@ check fails and names both numbers when the baseline is exceeded, recording is e
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hookbench import baselines, gate
+from hookbench import baselines, checks, gate
 from hookbench.prerequisites import attempt
 from hookbench.cli import main
 from hookbench.faults import FAULTS, inject
+from hookbench.memory import format_bytes
+from hookbench.parity import IMPLEMENTATION_CASES
 from hookbench.report import render
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,9 +68,11 @@ def test_a_kept_gradient_exceeds_the_memory_baseline_naming_both_numbers(base):
     assert "transformer/in_backward" in failed and "transformer/foreach" not in failed
     recorded = base["memory"]["transformer/in_backward"]["peak"]
     peak = now["transformer/in_backward"]["peak"]
-    # Both numbers, as the report prints them, and by how much.
-    assert f"peak {peak / 1e6:,.3f} MB > recorded {recorded / 1e6:,.3f} MB" in failed[
-        "transformer/in_backward"]
+    # Both numbers, as the report prints them (each in its unit, 4 digits), and by how much.
+    assert (f"peak {format_bytes(peak, 4)} > recorded {format_bytes(recorded, 4)} "
+            f"({peak / recorded - 1:+.1%})") in failed["transformer/in_backward"]
+    assert re.search(r"peak \d\d\.\d\d MB > recorded \d\d\.\d\d MB", failed[
+        "transformer/in_backward"])  # ~52 MB: MB, 4 digits
 
 
 def test_changed_optimizer_arithmetic_fails_the_trajectories_it_touches(base):
@@ -210,6 +216,24 @@ def test_memory_fails_below_and_above_the_slack_in_both_directions(base):
             assert ("DROPPED" if factor < 1 else "EXCEEDED") in cells[-1]
 
 
+def test_a_change_within_the_slack_prints_two_different_amounts(base):
+    # 512 B on a 68.76 MB peak: 4 digits would print both alike; the row gets the digits that
+    # tell them apart, and an unchanged row keeps 4 (issue 26: each amount in its own unit).
+    key = "transformer/foreach"
+    rec = base["memory"][key]
+    now = {**json.loads(json.dumps(rec)), "peak": rec["peak"] + 512}
+    (cells, ok), = _judge(base, {"memory": {key: now}})["memory"].rows
+    assert ok and cells[-1] == "changed: peak"
+    assert cells[1] != cells[2] and cells[1].endswith(" MB") and cells[2].endswith(" MB")
+    for printed, exact in zip(cells[1:3], (rec["peak"], now["peak"])):  # each to its last digit
+        number = printed.split()[0]
+        assert abs(float(number) - exact / 1e6) <= 0.5 * 10.0 ** -len(number.split(".")[1])
+    (cells, ok), = _judge(base, {"memory": {key: rec}})["memory"].rows
+    assert cells[1] == cells[2] == format_bytes(rec["peak"], 4)
+    assert gate._amounts(68_757_504, 68_758_016) == ("68.7575 MB", "68.7580 MB")
+    assert gate._amounts(999, 1_000, 6_088_090_112) == ("999 B", "1.000 KB", "6.088 GB")
+
+
 @pytest.mark.parametrize("text, message", [
     ("", "not a readable baseline"),
     ('{"recorded_with": {"torch": "2.14.1"', "not a readable baseline"),
@@ -285,6 +309,28 @@ def test_gate_exits_1_on_a_regression(capsys):
     assert main(["gate", "--baseline", str(BASELINE), "--sections", "numerics",
                  "--fault", "optimizer_arithmetic_changed"]) == 1
     assert "GATE FAILED in numerics" in capsys.readouterr().out
+
+
+def test_gate_parity_compares_each_implementation_with_the_forloop_and_fails_a_broken_kernel(
+        monkeypatch, capsys):
+    # Live rows, recorded nowhere: a foreach Adam kernel whose updates come out 0.1% larger
+    # fails exactly the foreach rows of Adam and AdamW, in both dtypes, and every other row
+    # holds. The optimizer-in-backward rows (checks) are left out here, for time.
+    monkeypatch.setattr(checks, "optimizer_in_backward_section", lambda: checks.Section(
+        "in backward", ("family", "comparison", "verdict")))
+    adam = importlib.import_module("torch.optim.adam")  # torch.optim deletes the name
+    kernel = adam._multi_tensor_adam
+    monkeypatch.setattr(adam, "_multi_tensor_adam",
+                        lambda *args, lr, **kwargs: kernel(*args, lr=lr * 1.001, **kwargs))
+    assert main(["gate", "--baseline", str(BASELINE), "--sections", "parity"]) == 1
+    out = capsys.readouterr().out
+    rows = [(line[0], *line[2:].split(maxsplit=1)) for line in out.splitlines()
+            if " step vs for-loop step" in line]  # mark, case, comparison and verdict
+    assert len(rows) == len(IMPLEMENTATION_CASES) * 2 * len(gate.IMPLEMENTATION_DTYPES)
+    assert {(case, rest.split("  ")[0]) for mark, case, rest in rows if mark == "!"} == {
+        (case, f"foreach step vs for-loop step{dtype}") for case in IMPLEMENTATION_CASES
+        if case.startswith("adam") for dtype in ("", ", float64")}, out
+    assert "GATE FAILED in parity" in out
 
 
 def test_gate_without_a_baseline_says_how_to_record_one(tmp_path, capsys):

@@ -7,13 +7,17 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from hookbench import plot, report
 from hookbench.faults import inject
-from hookbench.memory import measure
+from hookbench.memory import CATEGORIES, format_bytes, measure, table_unit
+from hookbench.report import memory_section
+from hookbench.zoo import BENCHMARK_MLP
 from hookbench.zoo import workload as zoo_workload
 
 GB = 1e9
@@ -265,3 +269,91 @@ def test_gpu_vit_l_from_6_to_4_gb(gpu_out, vit_l):
     (gpu_out / "gpu_memory.json").write_text(json.dumps(
         {s: r.to_dict() for s, r in results.items()}, indent=1, default=str))
 
+
+
+# -- amounts in print: B, KB, MB or GB by size (issue 26) -----------------------------------------
+
+
+@pytest.mark.parametrize("n, digits, printed", [
+    (0, 3, "0 B"), (511, 3, "511 B"), (999, 3, "999 B"),  # below 1 KB: the exact count
+    (1_000, 3, "1.00 KB"),  # decimal units: 1 KB = 1e3 B, as GB = 1e9 B (the ZeRO paper's)
+    (999_999, 3, "1.00 MB"),  # rounded up into the next unit, not "1000 KB"
+    (4_000_000, 3, "4.00 MB"),  # a 1M-parameter model's fp32 parameters
+    (6_088_090_112, 3, "6.09 GB"), (6_088_090_112, 4, "6.088 GB"),  # ViT-L/16's standard step
+    (16 * 7_500_000_000, 3, "120 GB"),  # the ZeRO paper's 7.5 B parameters, 16 bytes each
+    (1_200_000_000_000, 3, "1200 GB"),  # nothing above GB
+])
+def test_an_amount_prints_in_the_unit_that_fits(n, digits, printed):
+    assert format_bytes(n, digits) == printed
+
+
+def test_a_table_takes_one_unit_from_its_largest_value():
+    # ViT-L's report: GB with 3 decimals, as it always printed; zero stays 0.000.
+    unit, cell = table_unit([6_088_090_112, 1_217_306_624, 800_768, 0])
+    assert (unit, cell(6_088_090_112), cell(800_768), cell(0)) == ("GB", "6.088", "0.001",
+                                                                    "0.000")
+    # A 4 MB model: MB, every cell in it, the smallest (512 B) still above 0.000.
+    unit, cell = table_unit([3_161_600, 15_854_592, 512])
+    assert (unit, cell(15_854_592), cell(3_161_600), cell(512)) == ("MB", "15.855", "3.162",
+                                                                     "0.001")
+    # A cell that 3 decimals would round to zero gets the decimals that show it, to 6 at most.
+    _, cell = table_unit([15_854_592, 400])
+    assert (cell(15_854_592), cell(400)) == ("15.8546", "0.0004")
+    _, cell = table_unit([6_088_090_112, 512])
+    assert (cell(6_088_090_112), cell(512)) == ("6.088090", "0.000001")
+    assert table_unit([511, 3])[0] == "B" and table_unit([511, 3])[1](3) == "3"  # never below 1 B
+    assert table_unit([])[0] == "B"
+
+
+@pytest.fixture(scope="module")
+def small_model():
+    """The benchmark MLP (0.79 M parameters, 3.2 MB in fp32): foreach and in backward."""
+    return [measure(BENCHMARK_MLP, strategy) for strategy in ("foreach", "in_backward")]
+
+
+def test_a_small_models_report_prints_no_zero_for_a_nonzero_amount(small_model):
+    # In GB every cell of this model printed 0.0xx or 0.000 (issue 26); in MB, none that holds
+    # memory reads 0.000, and each reads its amount to the table's last digit.
+    section = memory_section(small_model)
+    assert section.title.endswith("; MB)")
+    for (cells, ok), r in zip(section.rows, small_model):
+        assert ok
+        alive, of = cells[-1].split(" of ")
+        amounts = [r.peak, *(r.peak_breakdown[c] for c in CATEGORIES), r.floor,
+                   r.gradients_alive_max, r.all_gradients]
+        printed = [*cells[1:7], cells[7], alive, of]
+        for text, n in zip(printed, amounts, strict=True):
+            assert (float(text) == 0) == (n == 0), (r.strategy, text, n)
+            assert abs(float(text) - n / 1e6) <= 0.5 * 10.0 ** -len(text.split(".")[1])
+
+
+def test_the_memory_plot_is_in_the_unit_of_its_peak(small_model, monkeypatch, tmp_path):
+    figures = []
+    monkeypatch.setattr(plot, "_save", lambda fig, path: figures.append(fig) or path)
+    plot.memory_timeline(small_model, tmp_path / "memory.png")
+    (fig,) = figures
+    axes = fig.axes[:len(small_model)]
+    assert axes[0].get_ylabel() == "MB"
+    assert [ax.get_title() for ax in axes] == [
+        f"{r.strategy}\npeak {format_bytes(r.peak)} (fake)" for r in small_model]
+    assert axes[0].get_title().endswith(" MB (fake)")  # 15.9 MB, not "peak 0.02 GB"
+    assert max(ax.get_ylim()[1] for ax in axes) == pytest.approx(small_model[0].peak / 1e6,
+                                                                 rel=0.1)
+    plot._pyplot().close(fig)
+
+
+def test_the_zero2_rows_take_one_unit_from_the_largest(monkeypatch):
+    # The transformer's rank 0 peaks (47 MB at N = 2, falling with N) in MB, the title saying
+    # so; the gloo parity rows are left out here (they fail, stubbed), for time.
+    def no_ranks(*args, **kwargs):
+        raise RuntimeError("no ranks in this test")
+
+    monkeypatch.setattr(report.launch, "run", no_ranks)
+    monkeypatch.setattr(report, "ZERO2_RANKS", (2,))
+    section = report.zero2_section(zoo_workload("transformer"), "fake", None, None)
+    assert "rank 0's peak (MB) against its bound" in section.title
+    rows = {cells[0]: cells[-1] for cells, ok in section.rows if ok}
+    assert set(rows) == {"transformer rank 0 of 2", "transformer rank 0 of 2, bf16"}
+    for verdict in rows.values():
+        assert re.fullmatch(r"peak \d\d\.\d{3} = 0\.\d\dx the bound \d\d\.\d{3} \(fails above "
+                            r"1\.02x\)", verdict), verdict

@@ -732,6 +732,160 @@ def test_refused_before_anything_changes():
         dist.destroy_process_group()
 
 
+# -- a layer unfrozen after construction ---------------------------------------------------------
+
+# TIED_FROZEN's first layer ('0.weight', '0.bias') is frozen at construction, so not sharded.
+
+
+def _everything(model, zero):
+    """What a refused step must leave as it was: the parameters and the optimizer state."""
+    out = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for i, state in zero.optimizer.state_dict()["state"].items():
+        out |= {f"state/{i}/{k}": torch.as_tensor(v).clone() for k, v in state.items()}
+    return out
+
+
+def _trained(rank, world, model, steps=STEPS):
+    """The parameters after each of ``steps`` Zero2 Adam steps on TIED_FROZEN's batches."""
+    cls, kw = OPTIMIZERS["adam"]
+    snapshots = []
+    with zero2.Zero2(model, cls, bucket_numel=50, **kw) as zero:
+        for i in range(steps):
+            x, y = zero2_runs.local_batch(TIED_FROZEN, i, rank, world, "cpu")
+            TIED_FROZEN.loss(model(x), y).backward()
+            zero.step()
+            zero.zero_grad()
+            snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return snapshots
+
+
+def _unfrozen_after_construction(rank, world, unfreeze_on):
+    """One Adam step, then the first layer unfrozen on the ranks in ``unfreeze_on`` and a
+    backward: what clip_grad_norm_ and step() raised, and what they changed."""
+    cls, kw = OPTIMIZERS["adam"]
+    model = TIED_FROZEN.build()
+    out = {}
+    with zero2.Zero2(model, cls, bucket_numel=50, **kw) as zero:
+        for i in range(2):
+            if i == 1 and rank in unfreeze_on:
+                model[0].requires_grad_(True)  # gradual unfreezing, after construction
+            x, y = zero2_runs.local_batch(TIED_FROZEN, i, rank, world, "cpu")
+            TIED_FROZEN.loss(model(x), y).backward()
+            if i == 0:
+                zero.step()
+                zero.zero_grad()
+        before = _everything(model, zero)
+        for name, call in (("clip", lambda: zero.clip_grad_norm_(1.0)), ("step", zero.step)):
+            try:
+                call()
+                out[name] = None
+            except ValueError as e:
+                out[name] = str(e)
+        after = _everything(model, zero)
+        out["changed"] = [k for k in before if not torch.equal(before[k], after[k])]
+        out["state_entries"] = sum(k.startswith("state/") for k in before)
+    if unfreeze_on == {0, 1}:  # the way out the message gives: a new Zero2, the layer in it
+        model.zero_grad()  # the refused backward's gradient, which no optimizer took
+        first = model[0].weight.detach().clone()
+        out["rebuilt_steps_it"] = not torch.equal(_trained(rank, world, model, 1)[0]["0.weight"],
+                                                  first)
+    return out
+
+
+def _unfreezing(rank, world):
+    """Every unfreezing case on this rank, from one spawn."""
+    before = TIED_FROZEN.build()
+    before[0].requires_grad_(True)  # unfrozen before construction: sharded like the rest
+    return {"both": _unfrozen_after_construction(rank, world, {0, 1}),
+            "rank0": _unfrozen_after_construction(rank, world, {0}),
+            "throughout": _trained(rank, world, TIED_FROZEN.build()),
+            "before": _trained(rank, world, before)}
+
+
+@pytest.fixture(scope="module")
+def unfreezing():
+    # Every rank finishes within seconds or the run fails (no hang): the timeout is the bound.
+    return launch.run(_unfreezing, 2, timeout=120)
+
+
+def test_a_layer_unfrozen_after_construction_is_refused_on_every_rank(unfreezing):
+    for rank in unfreezing:
+        got = rank["both"]
+        # clip_grad_norm_ and step() both refuse, naming the parameters and the ranks, before
+        # they change a parameter or the optimizer state (Adam's step count included)
+        for message in (got["clip"], got["step"]):
+            assert message.startswith("parameters frozen when Zero2 was built now require grad "
+                                      "or have a .grad: '0.bias' (ranks 0, 1), '0.weight' "
+                                      "(ranks 0, 1). Zero2 partitions, reduces and steps only "
+                                      "the parameters that required grad at construction"), message
+            assert "build a new one after changing requires_grad" in message
+        assert got["changed"] == [] and got["state_entries"] > 0
+        assert got["rebuilt_steps_it"]  # and a Zero2 built after unfreezing trains the layer
+
+
+def test_a_layer_unfrozen_on_one_rank_is_refused_on_every_rank(unfreezing):
+    # rank 1 saw nothing, yet refuses too (the flag is all-reduced): no rank steps alone into
+    # an all-gather the other never joins
+    for rank in unfreezing:
+        got = rank["rank0"]
+        for message in (got["clip"], got["step"]):
+            assert "now require grad or have a .grad: '0.bias' (rank 0), '0.weight' (rank 0)." \
+                in message, message
+        assert got["changed"] == []
+
+
+def test_frozen_throughout_or_unfrozen_before_construction_trains(unfreezing):
+    # No false refusal, and parity with single-process training as in
+    # test_parity_with_single_process_training: frozen throughout against the frozen model,
+    # unfrozen before construction against the same model with nothing frozen.
+    adam, kw = OPTIMIZERS["adam"]
+    for case, spec in (("throughout", TIED_FROZEN),
+                       ("before", TinySpec(depth=3, width=8, batch_size=6, tied=True))):
+        ref = parameters_only(_reference(dict(spec=spec, optimizer_class=adam, kwargs=kw,
+                                              steps=STEPS)))
+        for rank in unfreezing:
+            result = compare(rank[case], ref, TOL)
+            assert result.ok, (case, result.verdict())
+    initial = TIED_FROZEN.build()[0].weight
+    assert torch.equal(unfreezing[0]["throughout"][-1]["0.weight"], initial)
+    assert not torch.equal(unfreezing[0]["before"][-1]["0.weight"], initial)
+
+
+def test_without_the_check_an_unfrozen_layer_silently_diverges(one_gloo_rank, monkeypatch):
+    """The fault the refusal guards against: with it patched out (here on one rank, in
+    process, so that Zero2 itself can be patched), a layer unfrozen after construction is never
+    stepped, and training drifts from a standard Adam that steps it, raising nothing."""
+    cls, kw = OPTIMIZERS["adam"]
+
+    def train(zero2_or_adam):
+        model = TIED_FROZEN.build()
+        opt = zero2_or_adam(model)
+        snapshots = []
+        try:
+            for i in range(3):
+                if i == 1:
+                    model[0].requires_grad_(True)
+                x, y = TIED_FROZEN.batch(i)
+                TIED_FROZEN.loss(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+                snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        finally:  # also when step() refuses: no hook outlives the test
+            if isinstance(opt, zero2.Zero2):
+                opt.remove()
+        return snapshots
+
+    ref = train(lambda model: cls(model.parameters(), **kw))  # grad None: skipped until unfrozen
+    zero = lambda model: zero2.Zero2(model, cls, bucket_numel=50, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match="'0.bias' \\(rank 0\\), '0.weight' \\(rank 0\\)"):
+        train(zero)
+    monkeypatch.setattr(zero2.Zero2, "_refuse_unfrozen", lambda self: None)
+    bad = train(zero)
+    assert compare(bad[:1], ref[:1], TOL).ok  # the same until the layer is unfrozen
+    assert not compare(bad, ref, TOL).ok
+    assert torch.equal(bad[-1]["0.weight"], TIED_FROZEN.build()[0].weight)  # never stepped
+
+
 # -- misuse, failing and hanging ranks -----------------------------------------------------------
 
 

@@ -1,0 +1,110 @@
+"""Three models from real libraries, configured the way their own recipes train them, as
+``hookbench.Workload``s. Built from config (no weights are downloaded), small enough for CI.
+
+    gpt2        transformers' GPT2LMHeadModel as shipped: dropout 0.1 everywhere, tied
+                embeddings, AdamW with weight decay 0.1 on the matrices only (biases and
+                LayerNorms excluded, as nanoGPT and HF's Trainer do), a linear warmup,
+                keyword inputs (input_ids, attention_mask)
+    llama-bf16  transformers' LlamaForCausalLM under bf16 autocast, each decoder layer
+                checkpointed (non-reentrant), gradient clipping at 1.0 and a cosine schedule
+                (HF Trainer's defaults); the optimizer in backward refuses the clipping, in words
+    vit         timm's VisionTransformer with its default qkv bias, AdamW with timm's own
+                weight-decay split (``param_groups_weight_decay``), each block checkpointed
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+
+from hookbench import Workload
+
+SEQ, VOCAB, BATCH = 32, 512, 4
+
+
+def gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    # GPT2Config's dropout defaults (resid, embd, attn: 0.1) are kept on purpose.
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2,
+                                      n_head=4, bos_token_id=0, eos_token_id=1))
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, max_position_embeddings=SEQ,
+                                        bos_token_id=0, eos_token_id=1,
+                                        # a cache that a recomputed layer appends to twice
+                                        # (HF turns it off for checkpointing, too)
+                                        use_cache=False))
+
+
+def vit():
+    import timm
+
+    # vit_tiny's width and heads, 2 blocks, 32x32 images in 8x8 patches: 0.9M parameters.
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32,
+                             patch_size=8, depth=2, num_classes=10)
+
+
+def tokens(g: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=g)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[0, :4] = 0  # one left-padded row, so the mask is not a no-op
+    return {"input_ids": ids[:, :-1], "attention_mask": mask}, ids[:, 1:]
+
+
+def images(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.logits.flatten(0, 1).float(), target.flatten())
+
+
+def classification_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), target)
+
+
+def no_decay_on_biases_and_norms(model: torch.nn.Module) -> list[dict]:
+    """nanoGPT's and HF Trainer's split: weight decay on matrices, none on vectors."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def timm_weight_decay(model: torch.nn.Module) -> list[dict]:
+    from timm.optim import param_groups_weight_decay
+
+    return param_groups_weight_decay(model, weight_decay=0.05,
+                                     no_weight_decay_list=model.no_weight_decay())
+
+
+def llama_decoder_layer():
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return LlamaDecoderLayer
+
+
+GPT2 = Workload("gpt2", model=gpt2, batch=tokens, loss=lm_loss,
+                optimizer=(torch.optim.AdamW, {"lr": 6e-4, "betas": (0.9, 0.95)}),
+                param_groups=no_decay_on_biases_and_norms,
+                lr_scheduler=(torch.optim.lr_scheduler.LinearLR,
+                              {"start_factor": 0.1, "total_iters": 2}))
+
+LLAMA_BF16 = Workload("llama-bf16", model=llama, batch=tokens, loss=lm_loss,
+                      optimizer=(torch.optim.AdamW, {"lr": 3e-4, "weight_decay": 0.0}),
+                      precision="bf16", checkpointing=llama_decoder_layer(),
+                      clip_grad_norm=1.0,
+                      lr_scheduler=(torch.optim.lr_scheduler.CosineAnnealingLR, {"T_max": 3}))
+
+VIT = Workload("vit", model=vit, batch=images, loss=classification_loss,
+               optimizer=(torch.optim.AdamW, {"lr": 1e-3}), param_groups=timm_weight_decay,
+               checkpointing=re.compile(r"blocks\.\d+"))
+
+WORKLOADS = [GPT2, LLAMA_BF16, VIT]
