@@ -15,8 +15,10 @@ For each ``hookbench.Workload`` (rows keyed ``name/what``):
                                         tolerance of foreach
     name/zero2                          ``Zero2`` on ZERO2_RANKS gloo ranks against the for-loop
                                         step on the ranks' shares of each batch in one process
-                                        (``zero2_runs.TOLERANCE``), no
-                                        gradient left on a parameter, every hook once
+                                        (``zero2_runs.TOLERANCE``, the autocast tolerance under
+                                        autocast; elements whose gradient is at rounding level
+                                        within ``parity.NoiseBounds``), no gradient left on a
+                                        parameter, every hook once
     name/capture                        ``ActivationCapture`` on the training forward: the
                                         loss and every gradient bit for bit those without it,
                                         one record per module call, no hook left after it

@@ -22,6 +22,7 @@ from torch import nn
 
 from hookbench import Workload, activation_capture, optimizer_in_backward, workload_checks
 from hookbench.cli import main
+from hookbench.faults import inject
 from hookbench.parity import (Comparison, NoiseBounds, Tolerance, compare, largest_step_per_lr,
                               rounding_level, training, trajectory)
 
@@ -334,3 +335,25 @@ def test_report_with_a_workload_runs_its_own_rows(capsys, tmp_path, monkeypatch)
     assert "recipe/capture" in out and "mlp" not in out
     # a 1.6 KB model: its memory table is in KB, not a column of 0.000 GB
     assert "backend fake; KB)" in out
+
+
+
+def test_a_workloads_zero2_ranks_are_held_below_its_standard_step_and_fail_kept_gradients():
+    from hookbench import report
+    from hookbench.memory import measure
+
+    wide = Workload("wide", model=lambda: nn.Sequential(nn.Linear(256, 256), nn.ReLU(),
+                                                        nn.Linear(256, 256)),
+                    batch=lambda g: (torch.randn(8, 256, generator=g),
+                                     torch.randn(8, 256, generator=g)), loss=F.mse_loss)
+    own = {"wide/zero2": {"problems": [], "parity": "vs forloop on the ranks' shares: ok"}}
+    standard = measure(wide, "foreach")
+    section = report.zero2_section(wide, "fake", standard, None, parity=own)
+    assert section.ok and "below the standard step's" in section.title, section.rows
+    assert all("x the standard step's" in cells[-1] for cells, _ in section.rows[1:])
+    with inject("keeps_gradients_alive"):
+        section = report.zero2_section(wide, "fake", standard, None, parity=own)
+    failed = [cells for cells, ok in section.rows[1:] if not ok]
+    # seen: rank 0 of 2 in fp32 (its shard half the model) at 1.10x the standard step
+    assert failed and all("not below the standard step's" in cells[-1]
+                          or "holds every gradient at once" in cells[-1] for cells in failed)

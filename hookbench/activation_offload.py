@@ -1,0 +1,191 @@
+"""Activations offloaded (and optionally compressed) through saved-tensor hooks.
+
+Autograd keeps every tensor a backward formula needs from the end of its op in forward to its
+use in backward; at real batch sizes those activations, not the parameters or gradients, are
+what a step runs out of memory on. ``torch.autograd.graph.saved_tensors_hooks`` lets a pack hook
+replace each saved tensor by anything and an unpack hook give the tensor back when backward
+needs it. ``ActivationOffload`` packs each saved activation of at least ``min_bytes`` into host
+memory and unpacks it back onto its device, as ``torch.autograd.graph.save_on_cpu`` and
+torchtune's ``OffloadActivations`` do, optionally compressed::
+
+    with ActivationOffload(model):                  # lossless: gradients bit for bit the same
+        loss_fn(model(x), y).backward()
+
+    with ActivationOffload(model, compress="bf16"):  # float32 activations kept as bfloat16
+        ...
+
+What it handles, and why:
+
+* parameters (and views of them: ``weight.t()`` in a linear layer) are left as they are: they
+  stay alive anyway, a copy would only cost host memory and time. ``model`` names them; without
+  it, any leaf that requires grad counts as one;
+* a tensor saved twice (``x * x`` saves ``x`` twice) is copied once: its second pack returns the
+  first one's copy, kept while either is in use;
+* a tensor unpacked twice (a saved tensor used by two backward formulas, or a graph kept with
+  ``retain_graph=True``) is brought back each time, from the same host copy;
+* an in-place change of a saved tensor after it was saved still raises torch's own error in
+  backward (autograd checks the version counter whatever the hooks return);
+* on CUDA the device-to-host copy runs on a side stream into pinned memory, overlapping the
+  forward; the device tensor is kept from reuse until the copy is done (``record_stream``),
+  and unpack waits for it;
+* nested in non-reentrant activation checkpointing, the checkpoint's own saved-tensor hooks are
+  the innermost and take precedence: what a checkpointed block saves is recomputed, not
+  offloaded; the rest of the model is offloaded. Reentrant checkpointing runs its forward
+  without grad (nothing is saved) and recomputes in backward, after this context has exited.
+
+Compression (``compress``), float32 tensors only, never parameters or non-float tensors:
+
+* ``"bf16"``: rounded to bfloat16; each element within 2**-9 of itself (relative), since
+  bfloat16 keeps 8 significant bits and rounds to nearest;
+* ``"int8"``: per tensor, ``q = round(x / s)`` with ``s = max|x| / 127``; each element within
+  ``s / 2`` (absolute). An all-zero tensor is stored as zeros.
+
+Backward then differentiates at the decompressed values, so gradients differ from the exact
+ones by what the formulas do with those errors; tests/test_activation_offload.py states and
+checks the resulting tolerance per mode.
+
+Counting: ``packed`` (saved tensors offloaded), ``kept`` (left on the device), ``unpacked``
+(brought back), ``host_bytes`` (live host copies, in bytes) and ``host_tensors()`` (the live
+copies, which a memory tracker counts as host memory, not device memory).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+__all__ = ["COMPRESSIONS", "ActivationOffload"]
+
+COMPRESSIONS = (None, "bf16", "int8")
+
+
+@dataclass(eq=False)
+class _Packed:
+    """One saved tensor in host memory: what unpack needs to rebuild it on its device."""
+
+    host: torch.Tensor
+    device: torch.device
+    dtype: torch.dtype
+    scale: torch.Tensor | None = None  # int8: the per-tensor scale
+    copied: Any = None  # CUDA: the event after which ``host`` holds the data
+
+
+class ActivationOffload(saved_tensors_hooks):
+    """Context manager: every tensor autograd saves inside it, of at least ``min_bytes``,
+    lives in host memory until backward needs it.
+
+    Args:
+        model: the module whose parameters stay where they are (optional; without it every
+            leaf tensor that requires grad does).
+        min_bytes: smaller saved tensors stay on the device (the copy would cost more than it
+            saves; torchtune's default is 1024).
+        compress: None (lossless), "bf16" or "int8", for float32 tensors (module docstring).
+        pin_memory: CUDA only: pinned host copies, copied on a side stream.
+    """
+
+    def __init__(self, model: nn.Module | None = None, *, min_bytes: int = 1024,
+                 compress: str | None = None, pin_memory: bool = True) -> None:
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module or None, got {type(model).__name__}")
+        if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+            raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
+        if compress not in COMPRESSIONS:
+            raise ValueError(f"compress must be one of {COMPRESSIONS}, got {compress!r}")
+        self.min_bytes, self.compress, self.pin_memory = min_bytes, compress, pin_memory
+        # Storages, not tensors: a view of a parameter is a new tensor on the same storage.
+        self._parameters = ({p.untyped_storage().data_ptr() for p in model.parameters()}
+                            if model is not None else None)
+        self._copies: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._sources: dict[int, weakref.ref] = {}  # id(tensor) -> the tensor, while alive
+        self._host: weakref.WeakSet = weakref.WeakSet()
+        self._stream: Any = None
+        self.packed = self.kept = self.unpacked = 0
+        super().__init__(self._pack, self._unpack)
+
+    # -- what stays --------------------------------------------------------------------------
+
+    def _is_parameter(self, t: torch.Tensor) -> bool:
+        if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
+            return True
+        return (self._parameters is not None
+                and t.untyped_storage().data_ptr() in self._parameters)
+
+    def _stays(self, t: torch.Tensor) -> bool:
+        return (t.device.type == "meta" or t.is_sparse or self._is_parameter(t)
+                or t.untyped_storage().nbytes() < self.min_bytes)
+
+    # -- the hooks ----------------------------------------------------------------------------
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if self._stays(t):
+            self.kept += 1
+            return t
+        key = id(t)
+        source = self._sources.get(key)
+        if source is not None and source() is t and key in self._copies:
+            return self._copies[key]  # saved before: one copy serves both
+        packed = self._offload(t)
+        self._copies[key] = packed
+        self._sources[key] = weakref.ref(t, lambda _, key=key: self._sources.pop(key, None))
+        self.packed += 1
+        return packed
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Packed):
+            return packed  # kept on the device
+        self.unpacked += 1
+        if packed.copied is not None:  # the side stream's copy must be complete
+            torch.cuda.current_stream(packed.device).wait_event(packed.copied)
+        # A copy also on CPU, where host and device are one memory: what the device gets back
+        # is a new tensor, as on CUDA, so that a tracker counts it as device memory again.
+        t = packed.host.to(packed.device, non_blocking=packed.host.is_pinned(), copy=True)
+        if packed.scale is not None:
+            return t.to(packed.dtype) * packed.scale.to(packed.device)
+        return t.to(packed.dtype)
+
+    # -- copies ---------------------------------------------------------------------------------
+
+    def _compressed(self, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.compress is None or t.dtype != torch.float32:
+            return t, None
+        if self.compress == "bf16":
+            return t.to(torch.bfloat16), None
+        scale = t.detach().abs().amax() / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all zeros: q = 0
+        return torch.round(t / scale).to(torch.int8), scale
+
+    def _offload(self, t: torch.Tensor) -> _Packed:
+        value, scale = self._compressed(t.detach())
+        if t.device.type != "cuda":  # CPU (and fake tensors): the copy is the host copy
+            host = value.clone() if value is t.detach() else value
+            packed = _Packed(host, t.device, t.dtype, scale)
+        else:
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(t.device)
+            stream, current = self._stream, torch.cuda.current_stream(t.device)
+            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=self.pin_memory)
+            stream.wait_stream(current)  # the tensor (and its compression) is computed
+            with torch.cuda.stream(stream):
+                host.copy_(value, non_blocking=self.pin_memory)
+                copied = torch.cuda.Event()
+                copied.record(stream)
+            value.record_stream(stream)  # not reused by the allocator before the copy is done
+            packed = _Packed(host, t.device, t.dtype,
+                             None if scale is None else scale.cpu(), copied)
+        self._host.add(packed.host)
+        return packed
+
+    # -- counting -------------------------------------------------------------------------------
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        """The live host copies."""
+        return list(self._host)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self._host)
