@@ -23,8 +23,9 @@ What it handles, and why:
   first one's copy, kept while either is in use;
 * a tensor unpacked twice (a saved tensor used by two backward formulas, or a graph kept with
   ``retain_graph=True``) is brought back each time, from the same host copy;
-* an in-place change of a saved tensor after it was saved still raises torch's own error in
-  backward (autograd checks the version counter whatever the hooks return);
+* an in-place change of a saved tensor after it was saved raises in backward, in torch's own
+  words: autograd checks no version counter while saved-tensor hooks are active (identity
+  hooks and ``save_on_cpu`` let it through silently), so unpack checks it;
 * on CUDA the device-to-host copy runs on a side stream into pinned memory, overlapping the
   forward; the device tensor is kept from reuse until the copy is done (``record_stream``),
   and unpack waits for it;
@@ -35,8 +36,8 @@ What it handles, and why:
 
 Compression (``compress``), float32 tensors only, never parameters or non-float tensors:
 
-* ``"bf16"``: rounded to bfloat16; each element within 2**-9 of itself (relative), since
-  bfloat16 keeps 8 significant bits and rounds to nearest;
+* ``"bf16"``: rounded to bfloat16; each element within 2**-8 of itself (relative): bfloat16
+  keeps 8 significant bits and rounds to nearest, half an ulp of 2**-7 relative;
 * ``"int8"``: per tensor, ``q = round(x / s)`` with ``s = max|x| / 127``; each element within
   ``s / 2`` (absolute). An all-zero tensor is stored as zeros.
 
@@ -51,26 +52,49 @@ copies, which a memory tracker counts as host memory, not device memory).
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
-__all__ = ["COMPRESSIONS", "ActivationOffload"]
+__all__ = ["COMPRESSIONS", "ActivationOffload", "copying_to_host"]
 
 COMPRESSIONS = (None, "bf16", "int8")
+_COPYING = threading.local()
+
+
+def copying_to_host() -> bool:
+    """Whether the tensors being created now are an ``ActivationOffload``'s host copies: what
+    a memory tracker that sees every allocation (a ``TorchDispatchMode``) needs to count them as
+    host memory, not device memory, where both are the CPU (fake tensors, CPU training)."""
+    return getattr(_COPYING, "active", False)
+
+
+@contextlib.contextmanager
+def _host_copy() -> Iterator[None]:
+    _COPYING.active = True
+    try:
+        yield
+    finally:
+        _COPYING.active = False
 
 
 @dataclass(eq=False)
-class _Packed:
-    """One saved tensor in host memory: what unpack needs to rebuild it on its device."""
+class _Saved:
+    """One saved tensor as packed: the tensor itself (kept on its device) or its host copy
+    (``host``, with what unpack needs to rebuild it), and the version it was saved at."""
 
-    host: torch.Tensor
-    device: torch.device
-    dtype: torch.dtype
+    source: weakref.ref  # the saved tensor, to check its version counter at unpack
+    version: int
+    kept: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    device: torch.device | None = None
+    dtype: torch.dtype | None = None
     scale: torch.Tensor | None = None  # int8: the per-tensor scale
     copied: Any = None  # CUDA: the event after which ``host`` holds the data
 
@@ -98,7 +122,9 @@ class ActivationOffload(saved_tensors_hooks):
             raise ValueError(f"compress must be one of {COMPRESSIONS}, got {compress!r}")
         self.min_bytes, self.compress, self.pin_memory = min_bytes, compress, pin_memory
         # Storages, not tensors: a view of a parameter is a new tensor on the same storage.
-        self._parameters = ({p.untyped_storage().data_ptr() for p in model.parameters()}
+        # By the storage object (one per storage while it lives), not its data pointer, which
+        # fake tensors do not have.
+        self._parameters = ({id(p.untyped_storage()) for p in model.parameters()}
                             if model is not None else None)
         self._copies: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._sources: dict[int, weakref.ref] = {}  # id(tensor) -> the tensor, while alive
@@ -113,7 +139,7 @@ class ActivationOffload(saved_tensors_hooks):
         if isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad):
             return True
         return (self._parameters is not None
-                and t.untyped_storage().data_ptr() in self._parameters)
+                and id(t.untyped_storage()) in self._parameters)
 
     def _stays(self, t: torch.Tensor) -> bool:
         return (t.device.type == "meta" or t.is_sparse or self._is_parameter(t)
@@ -121,32 +147,45 @@ class ActivationOffload(saved_tensors_hooks):
 
     # -- the hooks ----------------------------------------------------------------------------
 
-    def _pack(self, t: torch.Tensor) -> Any:
+    def _pack(self, t: torch.Tensor) -> _Saved:
         if self._stays(t):
             self.kept += 1
-            return t
+            return _Saved(weakref.ref(t), t._version, kept=t)
         key = id(t)
         source = self._sources.get(key)
         if source is not None and source() is t and key in self._copies:
-            return self._copies[key]  # saved before: one copy serves both
-        packed = self._offload(t)
-        self._copies[key] = packed
+            saved = self._copies[key]
+            if saved.version == t._version:
+                return saved  # saved before, unchanged since: one copy serves both
+        saved = self._offload(t)
+        self._copies[key] = saved
         self._sources[key] = weakref.ref(t, lambda _, key=key: self._sources.pop(key, None))
         self.packed += 1
-        return packed
+        return saved
 
-    def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Packed):
-            return packed  # kept on the device
+    def _unpack(self, saved: _Saved) -> torch.Tensor:
+        # Autograd checks no version counter while saved-tensor hooks are active (pinned in
+        # hookbench.hook_contract): without this, an in-place change of a kept tensor after it
+        # was saved would silently enter backward. torch's own words, as without hooks.
+        source = saved.source()
+        if source is not None and source._version != saved.version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by "
+                f"an inplace operation: [{source.type()} {list(source.shape)}] is at version "
+                f"{source._version}; expected version {saved.version} instead "
+                f"(ActivationOffload checks this itself: autograd does not while saved-tensor "
+                f"hooks are active)")
+        if saved.kept is not None:
+            return saved.kept
         self.unpacked += 1
-        if packed.copied is not None:  # the side stream's copy must be complete
-            torch.cuda.current_stream(packed.device).wait_event(packed.copied)
+        if saved.copied is not None:  # the side stream's copy must be complete
+            torch.cuda.current_stream(saved.device).wait_event(saved.copied)
         # A copy also on CPU, where host and device are one memory: what the device gets back
         # is a new tensor, as on CUDA, so that a tracker counts it as device memory again.
-        t = packed.host.to(packed.device, non_blocking=packed.host.is_pinned(), copy=True)
-        if packed.scale is not None:
-            return t.to(packed.dtype) * packed.scale.to(packed.device)
-        return t.to(packed.dtype)
+        t = saved.host.to(saved.device, non_blocking=saved.host.is_pinned(), copy=True)
+        if saved.scale is not None:
+            return t.to(saved.dtype) * saved.scale.to(saved.device)
+        return t.to(saved.dtype)
 
     # -- copies ---------------------------------------------------------------------------------
 
@@ -159,26 +198,31 @@ class ActivationOffload(saved_tensors_hooks):
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # all zeros: q = 0
         return torch.round(t / scale).to(torch.int8), scale
 
-    def _offload(self, t: torch.Tensor) -> _Packed:
-        value, scale = self._compressed(t.detach())
-        if t.device.type != "cuda":  # CPU (and fake tensors): the copy is the host copy
-            host = value.clone() if value is t.detach() else value
-            packed = _Packed(host, t.device, t.dtype, scale)
+    def _offload(self, t: torch.Tensor) -> _Saved:
+        detached = t.detach()
+        if t.device.type != "cuda":  # CPU (and fake tensors): the compressed value is the copy
+            with _host_copy():
+                value, scale = self._compressed(detached)
+                host = value.clone() if value is detached else value
+            saved = _Saved(weakref.ref(t), t._version, host=host, device=t.device,
+                           dtype=t.dtype, scale=scale)
         else:
+            value, scale = self._compressed(detached)
+            saved = _Saved(weakref.ref(t), t._version, device=t.device, dtype=t.dtype)
             if self._stream is None:
                 self._stream = torch.cuda.Stream(t.device)
             stream, current = self._stream, torch.cuda.current_stream(t.device)
-            host = torch.empty(value.shape, dtype=value.dtype, pin_memory=self.pin_memory)
+            with _host_copy():
+                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=self.pin_memory)
             stream.wait_stream(current)  # the tensor (and its compression) is computed
             with torch.cuda.stream(stream):
                 host.copy_(value, non_blocking=self.pin_memory)
                 copied = torch.cuda.Event()
                 copied.record(stream)
             value.record_stream(stream)  # not reused by the allocator before the copy is done
-            packed = _Packed(host, t.device, t.dtype,
-                             None if scale is None else scale.cpu(), copied)
-        self._host.add(packed.host)
-        return packed
+            saved.host, saved.copied, saved.scale = host, copied, scale  # scale: 4 B, stays
+        self._host.add(saved.host)
+        return saved
 
     # -- counting -------------------------------------------------------------------------------
 

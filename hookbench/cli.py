@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -150,22 +151,27 @@ def _report(args: argparse.Namespace) -> int:
             f"submodule's output)", workload_checks.capture(spec)))
     if "memory" in chosen:
         stopped: dict[str, dict[str, str]] = {}
-        for strategy in report.MEMORY_STRATEGIES:
+        rows = [(s, s, spec.offload) for s in report.MEMORY_STRATEGIES]
+        if spec.offload is None:  # the workload's own offload, else each of report's
+            rows += report.OFFLOAD_ROWS
+        for label, strategy, offload in rows:
             started = time.perf_counter()
-            _progress(f"measuring {spec.name} batch {spec.batch_size}, {strategy}, "
+            _progress(f"measuring {spec.name} batch {spec.batch_size}, {label}, "
                       f"backend {backend} ...")
-            snapshot = (out / f"snapshot-{spec.name}-{strategy}.pickle"
+            snapshot = (out / f"snapshot-{spec.name}-{label.replace(' ', '')}.pickle"
                         if backend == "cuda" else None)
-            measured = spec.replace(compile=None) if backend == "fake" else spec
-            got = attempt(lambda: {"result": measure(measured, strategy, backend=backend,
-                                                     snapshot_path=snapshot)})
+            measured = spec.replace(offload=offload)
+            measured = measured.replace(compile=None) if backend == "fake" else measured
+            got = attempt(lambda: {"result": dataclasses.replace(
+                measure(measured, strategy, backend=backend, snapshot_path=snapshot),
+                strategy=label)})
             why = refusal(spec, strategy)
             if why:  # it must refuse, before it changes anything
                 got = ({"refused": f"{refused_words(got['error'])} ({why})"}
                        if "error" in got
                        else {"error": f"measured a {spec.precision} step; it must refuse ({why})"})
             if "result" not in got:
-                stopped[strategy] = got
+                stopped[label] = got
                 _progress(f"  stopped: {got.get('error') or got.get('refused') or got['skipped']}")
                 continue
             results.append(got["result"])

@@ -11,7 +11,9 @@ torch-private module unimportable, change a private API's signature (``FakeTenso
 make the memory tracker miss allocations; checkpoint faults load ``step`` as another dtype or
 save a param-group key under a new name; ``new_warning`` makes forward-hook registration warn;
 ``compiled_module_skips_forward_hooks`` makes a ``torch.compile``'d model skip its submodules'
-forward hooks.
+forward hooks; saved-tensor faults make ``saved_tensors_hooks`` call pack twice per tensor or
+unpack hand back the tensor unpacked before (``unpack_returns_stale``), make activation offload
+keep each offloaded tensor's device copy alive, or compress in lossless mode.
 The fault tests, ``pytest --hookbench-fault NAME``
 and ``hookbench selfcheck`` run the checks under each fault and require that they fail.
 """
@@ -27,6 +29,7 @@ from typing import Callable, Iterator
 import torch
 
 from hookbench import zero2
+from hookbench.activation_offload import ActivationOffload
 from hookbench.memory import StorageTracker
 
 __all__ = ["FAULTS", "HOOK_FAULTS", "inject"]
@@ -298,6 +301,65 @@ def _reduce_scatters() -> list[tuple[object, str]]:
             if hasattr(dist, name)]  # reduce_scatter_single from torch 2.13
 
 
+def _saved_tensors_hooks() -> list[tuple[object, str]]:
+    return [(torch.autograd.graph.saved_tensors_hooks, "__init__")]
+
+
+def _packs_twice(original: Callable) -> Callable:
+    def __init__(self, pack_hook, unpack_hook):
+        def twice(t):
+            pack_hook(t)
+            return pack_hook(t)
+
+        original(self, twice, unpack_hook)
+
+    return __init__
+
+
+def _unpacks_stale(original: Callable) -> Callable:
+    def __init__(self, pack_hook, unpack_hook):
+        last: list[torch.Tensor] = []
+
+        def stale(packed):  # the tensor unpacked before, where it could pass for this one
+            t = unpack_hook(packed)
+            previous = last[0] if last else None
+            last[:] = [t]
+            same = previous is not None and (previous.shape, previous.dtype) == (t.shape,
+                                                                                 t.dtype)
+            return previous if same else t
+
+        original(self, pack_hook, stale)
+
+    return __init__
+
+
+def _offloading() -> list[tuple[object, str]]:
+    return [(ActivationOffload, "_offload")]
+
+
+def _keeps_device_copies(original: Callable) -> Callable:
+    kept: list[torch.Tensor] = []  # freed when the fault is lifted
+
+    def _offload(self, t):
+        kept.append(t)
+        return original(self, t)
+
+    return _offload
+
+
+def _compression() -> list[tuple[object, str]]:
+    return [(ActivationOffload, "_compressed")]
+
+
+def _compresses_exact_tensors(original: Callable) -> Callable:
+    def _compressed(self, t):
+        if self.compress is None and t.dtype == torch.float32:  # lossless asked for
+            return t.to(torch.bfloat16), None
+        return original(self, t)
+
+    return _compressed
+
+
 _ABSENT = object()
 
 Swap = tuple[Callable[[], list[tuple[object, str]]], Callable[[Callable], Callable]]
@@ -323,6 +385,10 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "new_warning": (_forward_hook_registration, _warns_on_registration),
     "compiled_module_skips_forward_hooks": (_compiled_module_call,
                                             _skips_submodule_forward_hooks),
+    "pack_called_twice": (_saved_tensors_hooks, _packs_twice),
+    "unpack_returns_stale": (_saved_tensors_hooks, _unpacks_stale),
+    "offload_keeps_device_copy": (_offloading, _keeps_device_copies),
+    "compression_on_exact_tensor": (_compression, _compresses_exact_tensors),
 }
 HOOK_FAULTS = [name for name, fault in FAULTS.items()
                if isinstance(fault, tuple) and fault[0] is _hook_registration]

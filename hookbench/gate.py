@@ -35,6 +35,11 @@ Sections (a failed row fails the gate):
               pyproject.toml; ``hookbench.workload_checks``): each strategy's trajectory
               against its stored checksum and live against its reference, ZeRO-2 on 2 gloo
               ranks, the fake backend's peak per strategy; a designed refusal must stay one
+    offload   activation offload through saved-tensor hooks (``hookbench.saved_tensor_contract``):
+              the saved-tensor-hook behaviours it relies on against the baseline, lossless
+              offload bit for bit per strategy and each compression within its bound live,
+              and the transformer's in-backward step with offload (device and host peak)
+              against the baseline
     time      step-time ratios at most 50% (--time-slack) above the recorded ratio
 """
 
@@ -49,7 +54,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from hookbench import (baselines, checkpoints, checks, collectives, compiled_hooks,
-                       emitted_warnings, hook_contract, launch, workload_checks, zero2_runs)
+                       emitted_warnings, hook_contract, launch, saved_tensor_contract,
+                       workload_checks, zero2_runs)
 from hookbench.activation_capture import ActivationCapture
 from hookbench.faults import FAULTS, inject
 from hookbench.memory import CATEGORIES, format_bytes, measure
@@ -66,7 +72,7 @@ __all__ = ["MODELS", "SECTIONS", "WORKLOAD_SECTIONS", "check", "measure_all", "r
            "selfcheck"]
 
 SECTIONS = ("hooks", "parity", "numerics", "zero2", "collectives", "checkpoints", "compile",
-            "warnings", "memory", "workloads", "time")
+            "warnings", "memory", "offload", "workloads", "time")
 # What a gate of the user's own workloads runs by default: the hook contract (torch's own
 # behaviour) and the workloads' rows (``hookbench.workload_checks``).
 WORKLOAD_SECTIONS = ("hooks", "workloads")
@@ -325,6 +331,10 @@ def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = 
             out["warnings"] = _section(emitted_warnings.run_all)
         if "memory" in sections:
             out["memory"] = _section(lambda: _memory(models, device))
+        if "offload" in sections:
+            out["offload"] = _section(lambda: {
+                **{f"contract/{k}": v for k, v in saved_tensor_contract.run_all().items()},
+                **saved_tensor_contract.offload_rows()})
         if "workloads" in sections and workloads:
             out["workloads"] = _section(lambda: workload_checks.measure_all(workloads, fault))
         if "time" in sections:
@@ -457,6 +467,30 @@ def _memory_verdict(rec: dict | None, value: dict, device: str) -> tuple[bool, s
             "`hookbench record`)"] if under else []))
         or (f"changed: {', '.join(changed)}" if changed else "identical"))
     return not over and not under, verdict
+
+
+def _offload_section(base: dict, now: dict) -> Section:
+    contract = {k.removeprefix("contract/"): v for k, v in now.items()
+                if k.startswith("contract/")}
+    section = _hooks({k.removeprefix("contract/"): v for k, v in base.items()
+                      if k.startswith("contract/")}, contract)
+    section.title = ("Activation offload: saved-tensor hooks against the baseline, the mechanism "
+                     "live, its memory against the baseline")
+    section.rows = [((f"contract/{cells[0]}", *cells[1:]), ok) for cells, ok in section.rows]
+    for key, value in now.items():
+        if key.startswith("contract/") or section.add_stopped(value, key):
+            continue
+        if "peak" in value:  # the fake backend counts exactly: device and host as recorded
+            rec = base.get(key)
+            ok, verdict = _memory_verdict(rec, value, "fake")
+            host = rec is not None and rec.get("host_peak") == value["host_peak"]
+            section.add(ok and host, key, "", f"peak {_amount(value['peak'])}, host "
+                        f"{_amount(value['host_peak'])}: {verdict}" + (
+                            "" if host else f"; host CHANGED (recorded "
+                            f"{'nothing' if rec is None else _amount(rec['host_peak'])})"))
+        else:
+            section.add(value["ok"], key, "", value["verdict"])
+    return section
 
 
 def _collectives_section(base: dict, now: dict) -> Section:
@@ -615,6 +649,7 @@ def check(base: dict[str, Any], now: dict[str, Any], parity: bool = True,
         "compile": _compile_section,
         "warnings": lambda b, n: _warnings_section(b, n, strict_warnings),
         "memory": lambda b, n: _memory_section(b, n, now.get("device", "fake")),
+        "offload": _offload_section,
         "workloads": lambda b, n: _workloads_section(b, n, note),
         "time": lambda b, n: _time_section(b, n, time_slack),
     }

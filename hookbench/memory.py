@@ -42,6 +42,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hookbench import parity
+from hookbench.activation_offload import copying_to_host
 from hookbench.optimizer_in_backward import size_buckets
 from hookbench.workload import of, to_device
 
@@ -120,6 +121,10 @@ class StorageTracker(TorchDispatchMode):
         self._records: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._refreshing = False
         self._counting = True
+        # Host memory, apart from the device's: activations an ActivationOffload copied out
+        # (on the fake and eager backends both are the CPU; the mechanism says which is which)
+        self.host = self.host_peak = 0
+        self._host: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     @property
     def current(self) -> int:
@@ -148,7 +153,7 @@ class StorageTracker(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         """Like ``torch.cuda.reset_peak_memory_stats``: the peak restarts from what is live."""
-        self.peak = self.current
+        self.peak, self.host_peak = self.current, self.host
         self.peak_breakdown = dict(self.totals)
         self.peak_phase = self.phase
         self.timeline = [(self.phase, tuple(self.totals.values()))]
@@ -178,11 +183,26 @@ class StorageTracker(TorchDispatchMode):
             self.peak_breakdown = dict(self.totals)
             self.peak_phase = self.phase
 
+    def track_host(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage as host memory (``host``, ``host_peak``), not device."""
+        storage = tensor.untyped_storage()
+        if storage in self._host or storage in self._records:
+            return
+        nbytes = storage.nbytes()  # pinned host memory is not rounded like the device's
+        self._host[storage] = weakref.ref(storage, partial(self._host_freed, nbytes))
+        self.host += nbytes
+        self.host_peak = max(self.host_peak, self.host)
+
+    def _host_freed(self, nbytes: int, _ref: weakref.ref) -> None:
+        if self._counting:
+            self.host -= nbytes
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        host = copying_to_host()
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self.track(t)
+                self.track_host(t) if host else self.track(t)
         return out
 
 
@@ -215,6 +235,7 @@ class MemoryResult:
     floor_breakdown: dict[str, int]
     timeline: list[tuple[str, tuple[int, ...]]] = field(repr=False)
     device: dict[str, Any] = field(default_factory=dict)  # cuda: allocator, NVML, snapshot
+    host_peak: int = 0  # the most host memory offloaded activations held at once
 
     @property
     def few_gradients_alive(self) -> bool:
@@ -413,6 +434,7 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         floor_breakdown=floor,
         timeline=tracker.timeline,
         device=device_info,
+        host_peak=tracker.host_peak,
     )
 
 

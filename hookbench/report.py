@@ -17,11 +17,17 @@ from hookbench.memory import CATEGORIES, MemoryResult, format_bytes, measure, ta
 from hookbench.parity import compare, parameters_only, trajectory
 from hookbench.workload import Workload
 
-__all__ = ["MEMORY_STRATEGIES", "memory_section", "render", "workload_section", "zero2_section"]
+__all__ = ["MEMORY_STRATEGIES", "OFFLOAD_ROWS", "memory_section", "render", "workload_section", "zero2_section"]
 
 
 MEMORY_STRATEGIES = ("foreach", "forloop", "fused", "in_backward", "in_backward_grouped_foreach",
                      "in_backward_bucketed")
+# Activation offload (``Workload.offload``) beside them: (row, strategy, offload). Each must
+# peak below the same strategy without offload, or the saving is lost.
+OFFLOAD_ROWS = (("foreach + offload", "foreach", "lossless"),
+                ("in_backward + offload", "in_backward", "lossless"),
+                ("in_backward + offload bf16", "in_backward", "bf16"))
+_OFFLOADED = {row: strategy for row, strategy, _ in OFFLOAD_ROWS}
 
 
 def memory_section(results: list[MemoryResult],
@@ -30,23 +36,27 @@ def memory_section(results: list[MemoryResult],
     """Peak and breakdown per strategy, the distance to the floor and the saving against the
     standard foreach step. A row fails when an in-backward strategy peaks above the standard
     step (equal is possible: where activations peak in backward, a small model or a long
-    sequence, both steps peak there) or ever holds every gradient at once; ``stopped``: what
+    sequence, both steps peak there) or ever holds every gradient at once, or when an offload
+    row (``OFFLOAD_ROWS``) peaks above its strategy without offload, or not below it where
+    activations and host copies are each a tenth of that peak; ``stopped``: what
     stopped a strategy's measurement (``attempt``), a row SKIPPED or FAILED saying so, or
     ``{"refused": why}``: a strategy that refused the workload by design, a row that passes
     saying so."""
     columns = ("strategy", "peak", "params", "grads", "opt state", "activations", "temporaries",
-               "floor", "vs floor", "vs foreach", "grads alive at once")
+               "host", "floor", "vs floor", "vs foreach", "grads alive at once")
     first = results[0] if results else None
     # One unit for the whole table, from its largest cell (GB for ViT-L, MB for the zoo's
     # small models), so that a column compares by eye.
     unit, cell = table_unit(v for r in results for v in (
-        r.peak, *r.peak_breakdown.values(), r.floor, r.gradients_alive_max, r.all_gradients))
+        r.peak, *r.peak_breakdown.values(), r.floor, r.gradients_alive_max, r.all_gradients,
+        r.host_peak))
     section = Section(
         "Peak memory of one training step" + (
             f" ({first.model}, batch {first.batch_size}, {optimizer}, backend {first.backend}; "
             f"{unit})"
             if first else ""), columns)
     standard = next((r for r in results if r.strategy == "foreach"), None)
+    by = {r.strategy: r for r in results}
     for r in results:
         in_backward = r.strategy.startswith("in_backward")
         # Bucketed, a bucket steps inside backward, beside what the last node still holds: on
@@ -55,9 +65,17 @@ def memory_section(results: list[MemoryResult],
         slack = 1.001 if r.strategy == "in_backward_bucketed" else 1.0
         ok = not in_backward or ((standard is None or r.peak <= standard.peak * slack)
                                  and r.few_gradients_alive)
+        without = by.get(_OFFLOADED.get(r.strategy))
+        if without is not None:
+            # Below it where activations are a tenth of its peak and a tenth of that peak went
+            # to the host; else not above (the standard step peaks in optimizer.step(), with
+            # the activations gone; a small model's saved tensors stay under 1 KB each).
+            moved = min(without.peak_breakdown["activations"], r.host_peak)
+            ok = ok and (r.peak < without.peak if moved >= 0.1 * without.peak
+                         else r.peak <= without.peak)
         section.add(
             ok, r.strategy, cell(r.peak),
-            *(cell(r.peak_breakdown[c]) for c in CATEGORIES),
+            *(cell(r.peak_breakdown[c]) for c in CATEGORIES), cell(r.host_peak),
             cell(r.floor), f"{r.above_floor:+.1%}",
             "" if standard is None else f"{r.peak / standard.peak - 1:+.1%}",
             f"{cell(r.gradients_alive_max)} of {cell(r.all_gradients)}",

@@ -43,6 +43,9 @@ Options (one field each):
                    every optimizer step
     clip_grad_norm None, or the max global gradient norm (``clip_grad_norm_`` before each
                    step) where the strategy supports it; the optimizer in backward refuses it
+    offload        None; "lossless", "bf16", "int8": forward and loss under
+                   ``hookbench.activation_offload.ActivationOffload`` (saved activations in
+                   host memory until backward; "bf16"/"int8": compressed)
     seed           the model's initialisation, the data, and the random numbers the forward
                    draws (dropout): every forward of batch ``i`` (a ZeRO-2 rank's: of its share
                    ``r``) runs on the global RNG seeded from (seed, i, r) and restored after
@@ -67,10 +70,13 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["CHECKPOINTING", "PRECISIONS", "Workload", "configured", "load", "of", "to_device"]
+from hookbench.activation_offload import ActivationOffload
+
+__all__ = ["CHECKPOINTING", "OFFLOAD", "PRECISIONS", "Workload", "configured", "load", "of", "to_device"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINTING = ("none", "blocks")
+OFFLOAD = (None, "lossless", "bf16", "int8")
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -91,6 +97,7 @@ class Workload:
     param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None
     lr_scheduler: tuple[type, dict[str, Any]] | None = None
     clip_grad_norm: float | None = None
+    offload: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
@@ -122,6 +129,9 @@ class Workload:
                 raise TypeError(f"Workload {self.name!r}: lr_scheduler must be (a torch.optim."
                                 f"lr_scheduler class, a dict of its options), got "
                                 f"{self.lr_scheduler!r}")
+        if self.offload not in OFFLOAD:
+            raise ValueError(f"Workload {self.name!r}: offload must be one of {OFFLOAD}, got "
+                             f"{self.offload!r}")
         if self.clip_grad_norm is not None and (
                 isinstance(self.clip_grad_norm, bool)
                 or not isinstance(self.clip_grad_norm, (int, float))
@@ -240,7 +250,9 @@ class Workload:
         on the RNG ``forward_rng`` seeds for it."""
         device = target.device
         rng = contextlib.nullcontext() if key is None else self.forward_rng(*key, device=device)
-        with rng, self.autocast(device):
+        offload = (contextlib.nullcontext() if self.offload is None else ActivationOffload(
+            model, compress=None if self.offload == "lossless" else self.offload))
+        with rng, self.autocast(device), offload:
             return self.loss(self.forward(model, inputs), target)
 
     @staticmethod

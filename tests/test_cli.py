@@ -13,7 +13,7 @@ import torch
 from hookbench.cli import main
 from hookbench.faults import inject
 from hookbench.parity import FAMILIES
-from hookbench.report import MEMORY_STRATEGIES
+from hookbench.report import MEMORY_STRATEGIES, OFFLOAD_ROWS
 
 # The small transformer keeps the memory section to about a second per strategy.
 ARGS = ["report", "--model", "transformer", "--device", "fake"]
@@ -22,6 +22,10 @@ ARGS = ["report", "--model", "transformer", "--device", "fake"]
 # slow: the whole report, every section, about 15 s; the default tier keeps each section's own
 # tests and the report's exit code under a fault (below); examples/charlm/check.sh runs a report
 @pytest.mark.slow
+def by_row(data: dict) -> dict:
+    return {m["strategy"]: m for m in data["memory"]}
+
+
 def test_report_prints_writes_and_passes(capsys, tmp_path):
     assert main([*ARGS, "--out", str(tmp_path)]) == 0
     captured = capsys.readouterr()
@@ -35,7 +39,9 @@ def test_report_prints_writes_and_passes(capsys, tmp_path):
     assert "ZeRO-2 (sharded gradient release)" in out and "rank 0 of 64" in out
     assert (tmp_path / "memory.png").read_bytes().startswith(b"\x89PNG")
     data = json.loads((tmp_path / "report.json").read_text())
-    assert [m["strategy"] for m in data["memory"]] == list(MEMORY_STRATEGIES)
+    assert [m["strategy"] for m in data["memory"]] == [*MEMORY_STRATEGIES,
+                                                       *(row for row, _, _ in OFFLOAD_ROWS)]
+    assert by_row(data)["in_backward + offload"]["host_peak"] > 0
     by = {m["strategy"]: m for m in data["memory"]}
     assert by["in_backward"]["peak"] < by["foreach"]["peak"]
     assert all(c["ok"] for c in data["checks"])

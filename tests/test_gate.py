@@ -366,6 +366,10 @@ CAUGHT_BY = {
     "checkpoint_key_renamed": {"checkpoints"},
     "compiled_module_skips_forward_hooks": {"compile"},
     "new_warning": {"warnings"},
+    "pack_called_twice": {"offload"},
+    "unpack_returns_stale": {"offload"},
+    "offload_keeps_device_copy": {"offload"},
+    "compression_on_exact_tensor": {"offload"},
 }
 
 

@@ -12,13 +12,14 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hookbench"
-MECHANISMS = ("optimizer_in_backward", "activation_capture", "zero2")
+MECHANISMS = ("optimizer_in_backward", "activation_capture", "zero2", "activation_offload")
 # The layers, lowest first: a module may import its own layer and those below, never above.
 LAYERS = {
     "mechanisms": MECHANISMS,
     "foundations": ("prerequisites", "launch", "leak_guard", "vision", "mup", "workload"),
     "models": ("zoo",),
-    "measurement": ("parity", "memory", "hook_contract", "coord_check", "faults", "zero2_runs",
+    "measurement": ("parity", "memory", "hook_contract", "saved_tensor_contract", "coord_check",
+                    "faults", "zero2_runs",
                     "zero_paper", "plot", "peers", "peers.microsoft_mup",
                     "peers.deepspeed_zero2"),
     "gate": ("checks", "baselines", "checkpoints", "collectives", "compiled_hooks",

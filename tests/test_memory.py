@@ -319,9 +319,9 @@ def test_a_small_models_report_prints_no_zero_for_a_nonzero_amount(small_model):
     for (cells, ok), r in zip(section.rows, small_model):
         assert ok
         alive, of = cells[-1].split(" of ")
-        amounts = [r.peak, *(r.peak_breakdown[c] for c in CATEGORIES), r.floor,
+        amounts = [r.peak, *(r.peak_breakdown[c] for c in CATEGORIES), r.host_peak, r.floor,
                    r.gradients_alive_max, r.all_gradients]
-        printed = [*cells[1:7], cells[7], alive, of]
+        printed = [*cells[1:7], cells[7], cells[8], alive, of]
         for text, n in zip(printed, amounts, strict=True):
             assert (float(text) == 0) == (n == 0), (r.strategy, text, n)
             assert abs(float(text) - n / 1e6) <= 0.5 * 10.0 ** -len(text.split(".")[1])

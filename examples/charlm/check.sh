@@ -19,7 +19,7 @@ expect() {  # expect CODE PATTERN COMMAND...: fail unless it exits CODE and prin
     fi
 }
 
-expect 0 "6 of 6 checks hold" hookbench report --workload charlm.workloads:CHARLM_BF16 --sections memory \
+expect 0 "9 of 9 checks hold" hookbench report --workload charlm.workloads:CHARLM_BF16 --sections memory \
     --out "${TMPDIR:-/tmp}/charlm-report"
 expect 0 "GATE PASSED" hookbench gate
 expect 1 "GATE FAILED in .*workloads" hookbench gate --fault keeps_gradients_alive

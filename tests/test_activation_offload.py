@@ -1,0 +1,350 @@
+"""hookbench.activation_offload: saved activations in host memory until backward, optionally
+compressed. Lossless offload is bit for bit training without it; compression stays within the
+bound derived for each mode; every trap a real implementation handles is pinned, and what torch
+itself does under saved-tensor hooks (no version check, checkpoint's hooks innermost, compile)
+is pinned beside it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.autograd.graph import disable_saved_tensors_hooks, saved_tensors_hooks
+from torch.utils.checkpoint import checkpoint
+
+from hookbench.activation_offload import ActivationOffload, copying_to_host
+from hookbench.faults import inject
+from hookbench.memory import measure
+from hookbench.parity import compare, trajectory
+from hookbench.workload import of
+from hookbench.zoo import TinySpec
+from hookbench.zoo import workload as zoo_workload
+
+
+def _mlp(width: int = 64) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+
+
+def _grads(model: nn.Module, x: torch.Tensor, offload: ActivationOffload | None = None):
+    model.zero_grad(set_to_none=True)
+    with offload if offload is not None else saved_tensors_hooks(lambda t: t, lambda t: t):
+        loss = model(x).square().sum()
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+# -- lossless: bit for bit ----------------------------------------------------------------------
+
+@settings(deadline=None, max_examples=15)
+@given(depth=st.integers(1, 3), width=st.sampled_from([32, 64]),
+       min_bytes=st.sampled_from([0, 256, 1024, 1 << 30]),
+       strategy=st.sampled_from(["forloop", "foreach", "in_backward", "in_backward_grouped",
+                                 "in_backward_bucketed"]))
+def test_lossless_offload_trains_bit_for_bit_like_no_offload(depth, width, min_bytes, strategy):
+    # batch 16: activations of 2-4 KB, above the workload's 1 KB threshold
+    spec = of(TinySpec(depth=depth, width=width, batch_size=16))
+    adam = (torch.optim.Adam, {"lr": 1e-2})
+    plain = trajectory(spec, *adam, strategy, steps=3)
+    offloaded = trajectory(spec.replace(offload="lossless"), *adam, strategy, steps=3)
+    assert compare(offloaded, plain).bit_exact
+    with inject("compression_on_exact_tensor"):  # something was offloaded: compressing it shows
+        lossy = trajectory(spec.replace(offload="lossless"), *adam, strategy, steps=3)
+    assert not compare(lossy, plain).bit_exact
+    model, x = _mlp(width), torch.randn(8, width)
+    assert all(torch.equal(a, b) for a, b in zip(
+        _grads(model, x, ActivationOffload(model, min_bytes=min_bytes)), _grads(model, x)))
+
+
+def test_offload_moves_what_it_says_and_keeps_the_parameters():
+    model, x = _mlp(), torch.randn(32, 64, requires_grad=True)
+    offload = ActivationOffload(model)
+    seen = []
+    with saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        model(x).square().sum()
+    _grads(model, x, offload)
+    # Linear saves its input and (a view of) its weight; GELU its input; square its input.
+    storages = {id(p.untyped_storage()) for p in model.parameters()}
+    params = [t for t in seen if id(t.untyped_storage()) in storages]
+    assert len(params) == 2
+    assert offload.kept == len(params) + 1  # the weights, and x: a leaf that requires grad
+    assert offload.packed == offload.unpacked == len(seen) - offload.kept == 3
+    assert offload.host_bytes == 0  # every host copy freed with the graph
+
+
+def test_a_view_of_a_parameter_stays_on_the_device():
+    lin = nn.Linear(4, 4)
+    offload = ActivationOffload(lin, min_bytes=0)
+    with offload:
+        x = torch.randn(2, 4, requires_grad=True) * 1  # not a leaf: offloaded
+        loss = (x @ lin.weight.t()).sum()  # mm saves x and the view weight.t()
+    loss.backward()
+    assert (offload.packed, offload.kept) == (1, 1)  # the input goes, the weight's view stays
+
+
+def test_a_tensor_saved_twice_is_copied_once_and_unpacked_each_time():
+    t = torch.randn(1000, requires_grad=True)
+    offload = ActivationOffload()
+    with offload:
+        y = t * 2
+        loss = (y * y).sum()  # mul saves y twice
+    loss.backward()
+    assert (offload.packed, offload.unpacked) == (1, 2)
+    assert torch.equal(t.grad, 8 * t.detach())
+
+
+def test_a_graph_kept_for_a_second_backward_brings_each_tensor_back_twice():
+    t = torch.randn(1000, requires_grad=True)
+    offload = ActivationOffload()
+    with offload:
+        loss = (t * 2).sin().sum()
+    loss.backward(retain_graph=True)
+    first = t.grad.clone()
+    loss.backward()
+    assert offload.unpacked == 2 and torch.equal(t.grad, 2 * first)
+
+
+def test_an_in_place_change_after_save_raises_in_torchs_words():
+    t = torch.randn(1000, requires_grad=True)
+    for kept in (False, True):  # offloaded, and kept (below min_bytes) on the device
+        with ActivationOffload(min_bytes=1 << 30 if kept else 0):
+            y = t * 2
+            w = y.sin()
+            y.add_(1)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation: .* is at "
+                                               "version 1; expected version 0 instead"):
+            w.sum().backward()
+
+
+def test_torch_checks_no_version_under_saved_tensor_hooks():
+    """Pinned: why the mechanism checks versions itself. Identity hooks (and save_on_cpu) let an
+    in-place change of a saved tensor into backward silently (torch 2.14.1)."""
+    t = torch.randn(100, requires_grad=True)
+    with saved_tensors_hooks(lambda x: x, lambda x: x):
+        y = t * 2
+        w = y.sin()
+        y.add_(1)
+    w.sum().backward()  # no error
+    assert not torch.allclose(t.grad, 2 * torch.cos(2 * t.detach()))  # and the wrong gradient
+
+
+def test_nested_in_non_reentrant_checkpointing_the_checkpoints_hooks_win():
+    model, x = _mlp(), torch.randn(32, 64, requires_grad=True)
+    offload = ActivationOffload(model)
+    with offload:
+        loss = checkpoint(model, x, use_reentrant=False).square().sum()
+    loss.backward()
+    # square saves the checkpoint's output (offloaded); inside, nothing is saved (recomputed)
+    assert offload.packed == 1
+    plain = _mlp()
+    checkpoint(plain, x, use_reentrant=False).square().sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters()))
+
+
+def test_under_reentrant_checkpointing_it_holds_and_offloads_nothing_inside():
+    model, x = _mlp(), torch.randn(32, 64, requires_grad=True)
+    offload = ActivationOffload(model)
+    with offload:
+        loss = checkpoint(model, x, use_reentrant=True).square().sum()
+    loss.backward()  # the block runs without grad, then again in backward, outside the context
+    assert offload.packed == 1
+    plain = _mlp()
+    plain(x).square().sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters()))
+
+
+def test_disable_saved_tensors_hooks_refuses_it_in_its_own_words():
+    with disable_saved_tensors_hooks("this region must keep its activations"):
+        with pytest.raises(RuntimeError, match="this region must keep its activations"):
+            with ActivationOffload():
+                pass
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_under_torch_compile_it_offloads_and_holds(backend):
+    torch._dynamo.reset()
+    model, x = _mlp(), torch.randn(32, 64)
+    plain = _mlp()
+    plain(x).square().sum().backward()
+    offload = ActivationOffload(model)
+    compiled = torch.compile(model, backend=backend)
+    try:
+        with offload:
+            loss = compiled(x).square().sum()
+        loss.backward()
+    finally:
+        torch._dynamo.reset()
+    assert offload.packed >= 3 and offload.unpacked == offload.packed  # the hooks ran
+    pairs = list(zip(model.parameters(), plain.parameters()))
+    if backend == "eager":  # the same kernels: bit for bit
+        assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
+    else:  # inductor's own kernels: the foreach tolerance (hookbench.parity)
+        assert all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6) for p, q in pairs)
+
+
+@pytest.mark.parametrize("bad, error", [
+    ({"compress": "fp8"}, ValueError), ({"min_bytes": -1}, ValueError),
+    ({"min_bytes": True}, ValueError), ({"model": "model"}, TypeError),
+])
+def test_bad_arguments_are_refused(bad, error):
+    args = {"model": None, **bad}
+    with pytest.raises(error):
+        ActivationOffload(args.pop("model"), **args)
+
+
+# -- compressed: within the derived bound --------------------------------------------------------
+
+ADVERSARIAL = {
+    "large mean, tiny spread": 1e4 + 1e-3 * torch.randn(4096),
+    "huge": 3e38 * torch.rand(4096),
+    "tiny": 1e-30 * torch.randn(4096),
+    "zeros": torch.zeros(4096),
+    "one outlier": torch.cat([torch.randn(4095), torch.tensor([1e6])]),
+}
+
+
+@pytest.mark.parametrize("data", ADVERSARIAL.values(), ids=ADVERSARIAL.keys())
+def test_compressed_values_stay_within_the_bound_of_each_mode(data):
+    for mode in ("bf16", "int8"):
+        offload = ActivationOffload(compress=mode, min_bytes=0)
+        back = offload._unpack(offload._pack(data))
+        err = (back.double() - data.double()).abs()
+        if mode == "bf16":  # 8 significant bits, round to nearest: half an ulp, 2**-8 relative
+            assert bool((err <= 2.0**-8 * data.double().abs()).all())
+        else:  # per-tensor scale s = max|x| / 127: half a step, s / 2, plus float32 rounding
+            s = data.double().abs().max() / 127
+            assert bool((err <= s / 2 * (1 + 1e-6) + 1e-45).all())
+
+
+def test_compression_leaves_non_float32_tensors_exact():
+    for t in (torch.arange(4096), torch.randn(4096, dtype=torch.float64)):
+        offload = ActivationOffload(compress="int8", min_bytes=0)
+        assert torch.equal(offload._unpack(offload._pack(t)), t)
+
+
+@pytest.mark.parametrize("mode, u", [("bf16", 2.0**-8), ("int8", None)])
+def test_a_linear_layers_weight_gradient_stays_within_the_bound_its_input_error_allows(mode, u):
+    """dW = g^T x: an input off by e elementwise moves dW by at most |g|^T e. bf16: e = u|x|;
+    int8: e = max|x| / 254. Plus float32 rounding of the product (1e-5 of |g|^T |x|)."""
+    torch.manual_seed(0)
+    lin, x = nn.Linear(64, 32), 1e3 + torch.randn(16, 64)  # a large mean: the hard case
+    g = torch.randn(16, 32)
+    exact = _weight_grad(lin, x, g, None)
+    approx = _weight_grad(lin, x, g, ActivationOffload(lin, compress=mode))
+    e = u * x.abs() if u is not None else torch.full_like(x, float(x.abs().max()) / 254)
+    bound = g.abs().t() @ e + 1e-5 * (g.abs().t() @ x.abs())
+    assert bool(((approx - exact).abs() <= bound).all())
+    assert not torch.equal(approx, exact)  # it is lossy
+
+
+def _weight_grad(lin, x, g, offload):
+    lin.zero_grad()
+    with offload if offload is not None else saved_tensors_hooks(lambda t: t, lambda t: t):
+        out = lin(x)
+    out.backward(g)
+    return lin.weight.grad.clone()
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+def test_offloaded_activations_count_as_host_memory_not_device_memory():
+    assert not copying_to_host()
+    spec = zoo_workload("transformer")
+    plain, lossless, bf16 = (measure(spec.replace(offload=o), "in_backward")
+                             for o in (None, "lossless", "bf16"))
+    assert plain.host_peak == 0 and lossless.host_peak > 0
+    assert lossless.peak < plain.peak
+    # bf16 keeps 2 of every 4 bytes of the float32 activations it copies: half, to within the
+    # non-float tensors it leaves exact (none in this model)
+    assert abs(bf16.host_peak / lossless.host_peak - 0.5) < 0.01
+    assert bf16.peak <= lossless.peak
+
+
+def test_the_reports_offload_rows_hold_their_saving_and_fail_when_it_is_lost():
+    import dataclasses
+
+    from hookbench import report
+
+    spec = zoo_workload("transformer")
+
+    def rows():
+        return [dataclasses.replace(measure(spec.replace(offload=o), s), strategy=label)
+                for label, s, o in (("foreach", "foreach", None),
+                                    ("in_backward", "in_backward", None), *report.OFFLOAD_ROWS)]
+
+    assert report.memory_section(rows()).ok
+    with inject("offload_keeps_device_copy"):
+        section = report.memory_section(rows())
+    assert "in_backward + offload" in [cells[0] for cells, ok in section.rows if not ok]
+
+
+VIT_L_32 = zoo_workload("vit_l_16", batch_size=32)
+
+
+@pytest.mark.slow
+def test_vit_l_at_batch_32_offload_brings_the_step_in_backward_to_its_floor():
+    # Measured on torch 2.14.1, fake backend (baselines/memory/vit_l_16-batch32-fake.json):
+    # standard 13.749 GB (9.947 GB of it activations), in backward 13.745 GB, in backward with
+    # offload 4.007 GB against a floor of 4.007 GB, the activations 10.593 GB of host memory.
+    standard = measure(VIT_L_32, "foreach")
+    offloaded = measure(VIT_L_32.replace(offload="lossless"), "in_backward")
+    bf16 = measure(VIT_L_32.replace(offload="bf16"), "in_backward")
+    assert offloaded.peak <= 1.02 * offloaded.floor  # the issue's target: within 2%
+    assert offloaded.peak <= 0.35 * standard.peak  # seen 0.29x: the saving must not be lost
+    assert offloaded.host_peak >= 0.9 * standard.peak_breakdown["activations"]
+    assert abs(bf16.host_peak / offloaded.host_peak - 0.5) < 0.01
+
+
+@pytest.mark.gpu
+def test_gpu_offload_on_a_side_stream_is_bit_exact_and_saves_device_memory():
+    """The CUDA path: pinned host copies on a side stream (a model big enough that copies and
+    compute overlap), gradients bit for bit those without offload, the allocator's peak below
+    the step without offload."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 4096), nn.GELU(),
+                                          nn.Linear(4096, 1024)) for _ in range(4)]).cuda()
+    x = torch.randn(256, 1024, device="cuda")
+    peaks, grads = [], []
+    for offload in (None, ActivationOffload(model)):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with offload if offload is not None else saved_tensors_hooks(lambda t: t, lambda t: t):
+            loss = model(x).square().mean()
+        if offload is not None:  # the host copies live until backward has used them
+            host = offload.host_tensors()
+            assert offload.packed > 0 and host and all(t.is_pinned() for t in host)
+            del host
+        loss.backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated())
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    assert peaks[1] < peaks[0]
+    vit = measure(VIT_L_32.replace(offload="lossless"), "in_backward", backend="cuda")
+    plain = measure(VIT_L_32, "in_backward", backend="cuda")
+    # fake backend: 4.007 vs 13.745 GB; the GPU adds cuBLAS workspaces and scratch (5%)
+    assert vit.peak <= 1.05 * measure(VIT_L_32.replace(offload="lossless"), "in_backward").peak
+    assert vit.peak < 0.5 * plain.peak
+
+
+def test_torchs_save_on_cpu_as_a_peer_gives_the_same_gradients():
+    # On the CPU save_on_cpu keeps a CPU tensor as it is (tensor.cpu() is a no-op), so only
+    # the gradients compare here; the GPU tier has the memory side by side.
+    model, x = _mlp(), torch.randn(32, 64)
+    peer = _grads(model, x, torch.autograd.graph.save_on_cpu(pin_memory=False))
+    assert all(torch.equal(a, b) for a, b in zip(_grads(model, x, ActivationOffload(model)), peer))
+
+
+@pytest.mark.distributed
+def test_zero2_with_lossless_offload_trains_bit_for_bit_like_without():
+    from hookbench import workload_checks
+
+    spec = of(TinySpec(depth=3, width=64, batch_size=16))  # 2 KB activations per rank's share
+    rows = workload_checks.zero2([spec.replace(name="plain"),
+                                  spec.replace(name="offloaded", offload="lossless")])
+    assert not rows["plain/zero2"]["problems"] and not rows["offloaded/zero2"]["problems"]
+    assert rows["offloaded/zero2"]["sha256"] == rows["plain/zero2"]["sha256"]

@@ -1,0 +1,41 @@
+"""The saved-tensor-hook contract activation offload relies on (hookbench.saved_tensor_contract),
+and the gate's offload section, each failing under the fault it guards against."""
+
+from __future__ import annotations
+
+import pytest
+
+from hookbench import baselines, gate, saved_tensor_contract
+from hookbench.faults import inject
+
+
+@pytest.mark.parametrize("check", saved_tensor_contract.CHECKS, ids=lambda c: c.__name__)
+def test_contract(check):
+    check()
+
+
+@pytest.mark.parametrize("fault, broken", [
+    ("pack_called_twice", {"pack_once_per_saved_tensor", "retained_graph_unpacks_again"}),
+    ("unpack_returns_stale", {"unpack_returns_what_pack_kept"}),
+])
+def test_the_contract_fails_under_a_saved_tensor_fault(fault, broken):
+    with inject(fault):
+        failed = {name for name, error in saved_tensor_contract.run_all().items() if error}
+    assert broken <= failed
+
+
+def test_the_gates_offload_section_holds_on_the_recorded_torch():
+    base = baselines.load()
+    section = gate.check(base, gate.measure_all(("offload",)))["offload"]
+    assert section.ok and len(section.rows) == len(saved_tensor_contract.CHECKS) + 6
+
+
+@pytest.mark.parametrize("fault, row", [
+    ("pack_called_twice", "contract/pack_once_per_saved_tensor"),
+    ("unpack_returns_stale", "lossless/in_backward"),
+    ("offload_keeps_device_copy", "memory/transformer/in_backward"),
+    ("compression_on_exact_tensor", "lossless/forloop"),
+])
+def test_the_gates_offload_section_fails_under_each_offload_fault(fault, row):
+    section = gate.check(baselines.load(), gate.measure_all(("offload",), fault=fault))["offload"]
+    assert row in [cells[0] for cells, ok in section.rows if not ok]
