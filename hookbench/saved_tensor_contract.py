@@ -19,6 +19,7 @@ from torch.autograd.graph import disable_saved_tensors_hooks, saved_tensors_hook
 from torch.utils.checkpoint import checkpoint
 
 from hookbench.activation_offload import ActivationOffload
+from hookbench import hook_contract
 from hookbench.hook_contract import ContractViolation, _expect
 from hookbench.memory import measure
 from hookbench.parity import compare, trajectory
@@ -185,16 +186,7 @@ CHECKS: list[Callable[[], None]] = [
 
 def run_all() -> dict[str, str | None]:
     """Every check's name and None when it holds, or what went wrong."""
-    results: dict[str, str | None] = {}
-    for check in CHECKS:
-        try:
-            check()
-            results[check.__name__] = None
-        except ContractViolation as e:
-            results[check.__name__] = str(e)
-        except Exception as e:  # noqa: BLE001 - reported, not hidden
-            results[check.__name__] = f"{type(e).__name__}: {e}"
-    return results
+    return hook_contract.run_all(CHECKS)
 
 
 # -- the mechanism, live -------------------------------------------------------------------------
