@@ -357,3 +357,12 @@ def test_a_workloads_zero2_ranks_are_held_below_its_standard_step_and_fail_kept_
     # seen: rank 0 of 2 in fp32 (its shard half the model) at 1.10x the standard step
     assert failed and all("not below the standard step's" in cells[-1]
                           or "holds every gradient at once" in cells[-1] for cells in failed)
+
+
+def test_a_capture_that_changes_the_output_fails_the_row(monkeypatch):
+    def changes(self, module, args, output):  # a hook that hands back another output
+        return output * 1.0001 if torch.is_tensor(output) else None
+
+    monkeypatch.setattr(activation_capture.ActivationCapture, "_hook", changes)
+    row = workload_checks.capture(RECIPE)["recipe/capture"]
+    assert "the captured step's loss or gradients differ from the plain step's" in row["problems"]
