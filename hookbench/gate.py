@@ -470,13 +470,12 @@ def _memory_verdict(rec: dict | None, value: dict, device: str) -> tuple[bool, s
 
 
 def _offload_section(base: dict, now: dict) -> Section:
-    contract = {k.removeprefix("contract/"): v for k, v in now.items()
-                if k.startswith("contract/")}
-    section = _hooks({k.removeprefix("contract/"): v for k, v in base.items()
-                      if k.startswith("contract/")}, contract)
+    def contract(rows: dict) -> dict:
+        return {k: v for k, v in rows.items() if k.startswith("contract/")}
+
+    section = _hooks(contract(base), contract(now))
     section.title = ("Activation offload: saved-tensor hooks against the baseline, the mechanism "
                      "live, its memory against the baseline")
-    section.rows = [((f"contract/{cells[0]}", *cells[1:]), ok) for cells, ok in section.rows]
     for key, value in now.items():
         if key.startswith("contract/") or section.add_stopped(value, key):
             continue

@@ -17,13 +17,14 @@ from hookbench.memory import CATEGORIES, MemoryResult, format_bytes, measure, ta
 from hookbench.parity import compare, parameters_only, trajectory
 from hookbench.workload import Workload
 
-__all__ = ["MEMORY_STRATEGIES", "OFFLOAD_ROWS", "memory_section", "render", "workload_section", "zero2_section"]
+__all__ = ["MEMORY_STRATEGIES", "OFFLOAD_ROWS", "memory_section", "render", "workload_section",
+           "zero2_section"]
 
 
 MEMORY_STRATEGIES = ("foreach", "forloop", "fused", "in_backward", "in_backward_grouped_foreach",
                      "in_backward_bucketed")
-# Activation offload (``Workload.offload``) beside them: (row, strategy, offload). Each must
-# peak below the same strategy without offload, or the saving is lost.
+# Activation offload (``Workload.offload``) beside them: (row, strategy, offload). Each is held
+# against the same strategy without offload (``memory_section``), so a lost saving fails.
 OFFLOAD_ROWS = (("foreach + offload", "foreach", "lossless"),
                 ("in_backward + offload", "in_backward", "lossless"),
                 ("in_backward + offload bf16", "in_backward", "bf16"))

@@ -72,7 +72,8 @@ from torch.utils.checkpoint import checkpoint
 
 from hookbench.activation_offload import ActivationOffload
 
-__all__ = ["CHECKPOINTING", "OFFLOAD", "PRECISIONS", "Workload", "configured", "load", "of", "to_device"]
+__all__ = ["CHECKPOINTING", "OFFLOAD", "PRECISIONS", "Workload", "configured", "load", "of",
+           "to_device"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINTING = ("none", "blocks")

@@ -51,8 +51,8 @@ from hookbench.parity import (NoiseBounds, Tolerance, compare, parameters_only,
 from hookbench.prerequisites import attempt
 from hookbench.workload import Workload
 
-__all__ = ["MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS", "bucket", "capture", "measure_all",
-           "memory", "refusal", "refused_words", "trajectories", "zero2"]
+__all__ = ["MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS", "bucket", "capture",
+           "measure_all", "memory", "refusal", "refused_words", "trajectories", "zero2"]
 
 STRATEGIES = ("forloop", "foreach", "in_backward", "in_backward_grouped",
               "in_backward_grouped_foreach", "in_backward_bucketed")
