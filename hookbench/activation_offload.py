@@ -32,7 +32,10 @@ What it handles, and why:
 * nested in non-reentrant activation checkpointing, the checkpoint's own saved-tensor hooks are
   the innermost and take precedence: what a checkpointed block saves is recomputed, not
   offloaded; the rest of the model is offloaded. Reentrant checkpointing runs its forward
-  without grad (nothing is saved) and recomputes in backward, after this context has exited.
+  without grad (nothing is saved) and recomputes in backward, after this context has exited;
+* under ``torch.compile`` the compiled graph's saved tensors are offloaded. While it traces,
+  torch 2.4 runs the hooks on the tracer's fake tensors too (pytorch#113263): those are kept,
+  as a compressed copy made there would be traced into the graph and applied again.
 
 Compression (``compress``), float32 tensors only, never parameters or non-float tensors:
 
@@ -142,8 +145,12 @@ class ActivationOffload(saved_tensors_hooks):
                 and id(t.untyped_storage()) in self._parameters)
 
     def _stays(self, t: torch.Tensor) -> bool:
+        # While torch.compile traces: torch 2.4 runs the hooks then too, on the tracer's fake
+        # tensors (pytorch#113263; 2.5 disables them, #123196). Offloaded there, a compressed
+        # copy would be traced into the graph and applied again to the real tensors.
         return (t.device.type == "meta" or t.is_sparse or self._is_parameter(t)
-                or t.untyped_storage().nbytes() < self.min_bytes)
+                or t.untyped_storage().nbytes() < self.min_bytes
+                or torch._guards.TracingContext.try_get() is not None)
 
     # -- the hooks ----------------------------------------------------------------------------
 
@@ -182,7 +189,10 @@ class ActivationOffload(saved_tensors_hooks):
             torch.cuda.current_stream(saved.device).wait_event(saved.copied)
         # A copy also on CPU, where host and device are one memory: what the device gets back
         # is a new tensor, as on CUDA, so that a tracker counts it as device memory again.
-        t = saved.host.to(saved.device, non_blocking=saved.host.is_pinned(), copy=True)
+        # Asynchronous only from pinned memory, which only the CUDA path makes (not asked with
+        # is_pinned(): fake tensors have none on torch 2.4).
+        pinned = saved.copied is not None and self.pin_memory
+        t = saved.host.to(saved.device, non_blocking=pinned, copy=True)
         if saved.scale is not None:
             return t.to(saved.dtype) * saved.scale.to(saved.device)
         return t.to(saved.dtype)

@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -37,7 +38,7 @@ from hookbench.faults import FAULTS
 from hookbench.memory import format_bytes, measure
 from hookbench.parity import compare, parameters_only, trajectory
 from hookbench.prerequisites import attempt
-from hookbench.workload import Workload, configured, load
+from hookbench.workload import Workload, checkpointed, configured, load
 from hookbench.workload_checks import refusal, refused_words
 from hookbench.zoo import ZOO
 from hookbench.zoo import workload as zoo_workload
@@ -127,6 +128,17 @@ def _backend(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "fake") if device == "auto" else device
 
 
+def _adds(spec: Workload, changes: dict[str, Any]) -> bool:
+    """Whether a saving row measures something the workload does not already do: its own
+    offload or checkpointing is in every row, and a model without a repeated block has none
+    to checkpoint."""
+    if "offload" in changes and spec.offload is not None:
+        return False
+    if "checkpointing" in changes:
+        return spec.checkpointing == "none" and bool(checkpointed(spec.build(), "repeated"))
+    return True
+
+
 def _report(args: argparse.Namespace) -> int:
     backend = _backend(args.device)
     chosen = _chosen(args.sections, SECTIONS, "report sections")
@@ -151,16 +163,16 @@ def _report(args: argparse.Namespace) -> int:
             f"submodule's output)", workload_checks.capture(spec)))
     if "memory" in chosen:
         stopped: dict[str, dict[str, str]] = {}
-        rows = [(s, s, spec.offload) for s in report.MEMORY_STRATEGIES]
-        if spec.offload is None:  # the workload's own offload, else each of report's
-            rows += report.OFFLOAD_ROWS
-        for label, strategy, offload in rows:
+        rows = [(s, s, {}) for s in report.MEMORY_STRATEGIES] + [
+            (label, strategy, changes) for label, strategy, changes, _ in report.SAVING_ROWS
+            if _adds(spec, changes)]
+        for label, strategy, changes in rows:
             started = time.perf_counter()
             _progress(f"measuring {spec.name} batch {spec.batch_size}, {label}, "
                       f"backend {backend} ...")
             snapshot = (out / f"snapshot-{spec.name}-{label.replace(' ', '')}.pickle"
                         if backend == "cuda" else None)
-            measured = spec.replace(offload=offload)
+            measured = spec.replace(**changes)
             measured = measured.replace(compile=None) if backend == "fake" else measured
             got = attempt(lambda: {"result": dataclasses.replace(
                 measure(measured, strategy, backend=backend, snapshot_path=snapshot),

@@ -17,18 +17,37 @@ from hookbench.memory import CATEGORIES, MemoryResult, format_bytes, measure, ta
 from hookbench.parity import compare, parameters_only, trajectory
 from hookbench.workload import Workload
 
-__all__ = ["MEMORY_STRATEGIES", "OFFLOAD_ROWS", "memory_section", "render", "workload_section",
+__all__ = ["MEMORY_STRATEGIES", "SAVING_ROWS", "memory_section", "render", "workload_section",
            "zero2_section"]
 
 
 MEMORY_STRATEGIES = ("foreach", "forloop", "fused", "in_backward", "in_backward_grouped_foreach",
                      "in_backward_bucketed")
-# Activation offload (``Workload.offload``) beside them: (row, strategy, offload). Each is held
-# against the same strategy without offload (``memory_section``), so a lost saving fails.
-OFFLOAD_ROWS = (("foreach + offload", "foreach", "lossless"),
-                ("in_backward + offload", "in_backward", "lossless"),
-                ("in_backward + offload bf16", "in_backward", "bf16"))
-_OFFLOADED = {row: strategy for row, strategy, _ in OFFLOAD_ROWS}
+# What saves activation memory, beside them: (row, strategy, workload changes, the row it is
+# held against in ``memory_section``, so that a lost saving fails). Offload is
+# ``Workload.offload``; checkpoint is ``checkpointing="repeated"``, each repeated block.
+SAVING_ROWS = (
+    ("foreach + offload", "foreach", {"offload": "lossless"}, "foreach"),
+    ("in_backward + offload", "in_backward", {"offload": "lossless"}, "in_backward"),
+    ("in_backward + offload bf16", "in_backward", {"offload": "bf16"}, "in_backward"),
+    ("in_backward + checkpoint", "in_backward", {"checkpointing": "repeated"}, "in_backward"),
+    ("in_backward + offload + checkpoint", "in_backward",
+     {"offload": "lossless", "checkpointing": "repeated"}, "in_backward + checkpoint"))
+_CHANGES = {row: changes for row, _, changes, _ in SAVING_ROWS}
+_AGAINST = {row: against for row, _, _, against in SAVING_ROWS}
+
+
+def _keeps_saving(r: MemoryResult, without: MemoryResult, offloads: bool) -> bool:
+    """Whether ``r``, a step that saves activation memory, keeps its saving against the same
+    step ``without`` it: below its peak where what ``r`` saves is a tenth of that peak, else
+    not above it (the standard step peaks in optimizer.step(), with the activations gone; a
+    small model's saved tensors stay under 1 KB each). Checkpointing saves the activations;
+    offload (``offloads``) only those it moved to the host, so that a device copy kept alive
+    is a lost saving."""
+    moved = without.peak_breakdown["activations"]
+    if offloads:
+        moved = min(moved, r.host_peak)
+    return r.peak < without.peak if moved >= 0.1 * without.peak else r.peak <= without.peak
 
 
 def memory_section(results: list[MemoryResult],
@@ -37,12 +56,11 @@ def memory_section(results: list[MemoryResult],
     """Peak and breakdown per strategy, the distance to the floor and the saving against the
     standard foreach step. A row fails when an in-backward strategy peaks above the standard
     step (equal is possible: where activations peak in backward, a small model or a long
-    sequence, both steps peak there) or ever holds every gradient at once, or when an offload
-    row (``OFFLOAD_ROWS``) peaks above its strategy without offload, or not below it where
-    activations and host copies are each a tenth of that peak; ``stopped``: what
-    stopped a strategy's measurement (``attempt``), a row SKIPPED or FAILED saying so, or
-    ``{"refused": why}``: a strategy that refused the workload by design, a row that passes
-    saying so."""
+    sequence, both steps peak there) or ever holds every gradient at once, or when a row of
+    ``SAVING_ROWS`` loses its saving against the row it is held against (``_keeps_saving``);
+    ``stopped``: what stopped a strategy's measurement (``attempt``), a row SKIPPED or FAILED
+    saying so, or ``{"refused": why}``: a strategy that refused the workload by design, a row
+    that passes saying so."""
     columns = ("strategy", "peak", "params", "grads", "opt state", "activations", "temporaries",
                "host", "floor", "vs floor", "vs foreach", "grads alive at once")
     first = results[0] if results else None
@@ -66,14 +84,10 @@ def memory_section(results: list[MemoryResult],
         slack = 1.001 if r.strategy == "in_backward_bucketed" else 1.0
         ok = not in_backward or ((standard is None or r.peak <= standard.peak * slack)
                                  and r.few_gradients_alive)
-        without = by.get(_OFFLOADED.get(r.strategy))
+        without = by.get(_AGAINST.get(r.strategy))
         if without is not None:
-            # Below it where activations are a tenth of its peak and a tenth of that peak went
-            # to the host; else not above (the standard step peaks in optimizer.step(), with
-            # the activations gone; a small model's saved tensors stay under 1 KB each).
-            moved = min(without.peak_breakdown["activations"], r.host_peak)
-            ok = ok and (r.peak < without.peak if moved >= 0.1 * without.peak
-                         else r.peak <= without.peak)
+            added = _CHANGES[r.strategy].keys() - _CHANGES.get(without.strategy, {}).keys()
+            ok = ok and _keeps_saving(r, without, offloads="offload" in added)
         section.add(
             ok, r.strategy, cell(r.peak),
             *(cell(r.peak_breakdown[c]) for c in CATEGORIES), cell(r.host_peak),
@@ -204,26 +218,42 @@ def zero2_section(spec: Workload, backend: str, standard: MemoryResult | None,
         section.add(result.ok and same and scaled,
                     f"{case['optimizer_class'].__name__} {dtype} + fp32 masters, 2 gloo ranks",
                     words + " vs one process")
+    # fp32, bf16 with fp32 masters, and fp32 with activation offload (where the workload
+    # does not offload already), each held against its bound; offload also against fp32
+    # without it at the same N, so that a lost saving fails.
+    variants = [("", {}, {}), (", bf16", MIXED, {})]
+    if spec.offload is None:
+        variants.append((", offload", {}, {"offload": "lossless"}))
+    without: dict[int, MemoryResult] = {}
     for n in ZERO2_RANKS:
-        for label, extra in (("", {}), (", bf16", MIXED)):
-            def check(n=n, extra=extra, label=label) -> tuple[bool, str]:
+        for label, extra, changes in variants:
+            def check(n=n, extra=extra, changes=changes, label=label) -> tuple[bool, str]:
                 progress(f"ZeRO-2: {spec.name} rank 0 of {n}{label}, backend {backend} ...")
-                r = measure(spec, "zero2", backend=backend, world_size=n,
+                r = measure(spec.replace(**changes), "zero2", backend=backend, world_size=n,
                             optimizer_kwargs={"lr": 1e-3, "bucket_numel": ZERO2_BUCKET, **extra})
+                if not (extra or changes):
+                    without[n] = r
                 if parity is not None:  # a user's model: see below
-                    return _below_the_standard_step(r, standard)
-                bound = zero2_bound(r, n, mixed=bool(extra))
-                ok = (r.peak <= bound * (1 + ZERO2_SLACK)
-                      and r.few_gradients_alive)
-                if not units:
-                    units.append(table_unit([r.peak, bound, *(s.peak for s in (standard, fused)
-                                                               if s is not None)]))
-                cell = units[0][1]
-                beside = "" if standard is None or fused is None or extra else (
-                    f"; one device: foreach {cell(standard.peak)}, in backward "
-                    f"{cell(fused.peak)}")
-                return ok, (f"peak {cell(r.peak)} = {r.peak / bound:.2f}x the bound "
-                            f"{cell(bound)} (fails above {1 + ZERO2_SLACK:.2f}x)" + beside)
+                    ok, words = _below_the_standard_step(r, standard)
+                else:
+                    bound = zero2_bound(r, n, mixed=bool(extra))
+                    ok = (r.peak <= bound * (1 + ZERO2_SLACK)
+                          and r.few_gradients_alive)
+                    if not units:
+                        units.append(table_unit([r.peak, bound, *(
+                            s.peak for s in (standard, fused) if s is not None)]))
+                    cell = units[0][1]
+                    beside = "" if standard is None or fused is None or extra or changes else (
+                        f"; one device: foreach {cell(standard.peak)}, in backward "
+                        f"{cell(fused.peak)}")
+                    words = (f"peak {cell(r.peak)} = {r.peak / bound:.2f}x the bound "
+                             f"{cell(bound)} (fails above {1 + ZERO2_SLACK:.2f}x)" + beside)
+                if changes and n in without:
+                    ok = ok and _keeps_saving(r, without[n], offloads=True)
+                    amount = format_bytes if parity is not None else units[0][1]
+                    words += (f"; without offload {amount(without[n].peak)}, host "
+                              f"{amount(r.host_peak)}")
+                return ok, words
 
             section.attempt(f"{spec.name} rank 0 of {n}{label}", check=check)
     if units:  # else no row printed an amount

@@ -15,11 +15,13 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd.graph import disable_saved_tensors_hooks, saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
-from hookbench.activation_offload import ActivationOffload
 from hookbench import hook_contract
+from hookbench.activation_offload import ActivationOffload
 from hookbench.hook_contract import ContractViolation, _expect
 from hookbench.memory import measure
 from hookbench.parity import compare, trajectory
@@ -99,14 +101,18 @@ def retained_graph_unpacks_again() -> None:
 def non_reentrant_checkpoint_hooks_take_precedence() -> None:
     """Inside a non-reentrant checkpoint its own hooks are innermost: of the 5 tensors the
     block saves the outer hooks see one, its input (kept to recompute it from), and beside it
-    what is saved outside the block (sin's input)."""
+    what is saved outside the block (sin's input). Empty tensors aside: torch up to 2.11 saves
+    its inputs through an autograd.Function with an empty placeholder, which the outer hooks
+    see too (removed by pytorch#174327); an offload keeps it, as every tensor below its
+    threshold."""
     x = _x(4, 8)
     block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     with (hooks := _Counting()):
         loss = checkpoint(block, x, use_reentrant=False).sin().sum()
     loss.backward()
-    _expect(len(hooks.packs) == 2 and hooks.tensors[0] is x,
-            f"the outer hooks packed {len(hooks.packs)} tensors, expected 2 (the block's "
+    seen = [t for t in hooks.tensors if t.numel()]
+    _expect(len(seen) == 2 and seen[0] is x,
+            f"the outer hooks packed {len(seen)} non-empty tensors, expected 2 (the block's "
             f"input, then sin's input outside the block)")
 
 
@@ -150,8 +156,15 @@ def _compiled(backend: str) -> None:
         with (hooks := _Counting()):
             loss = compiled(x).square().sum()
         loss.backward()
-        _expect(len(hooks.packs) > 0 and sorted(hooks.unpacks) == sorted(set(hooks.unpacks)),
-                f"compiled ({backend}): packs {hooks.packs}, unpacks {hooks.unpacks}")
+        # Real tensors only, each unpacked once: an offload that also copied what the compiler
+        # traces (FakeTensors, never unpacked) would hold copies of tensors that do not exist.
+        traced = sum(isinstance(t, (FakeTensor, FunctionalTensor)) for t in hooks.tensors)
+        _expect(len(hooks.packs) > 0 and not traced
+                and sorted(hooks.unpacks) == hooks.packs,
+                f"compiled ({backend}): {len(hooks.packs)} packs ({traced} of them the "
+                f"tracer's fake or functional tensors, pytorch#113263), {len(hooks.unpacks)} "
+                f"unpacks of {len(set(hooks.unpacks))} of them; expected each packed real "
+                f"tensor unpacked once")
         close = torch.equal if backend == "eager" else (
             lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-6))
         _expect(all(close(p.grad, q) for p, q in zip(block.parameters(), plain)),
@@ -161,13 +174,14 @@ def _compiled(backend: str) -> None:
 
 
 def compiled_eager_runs_the_hooks() -> None:
-    """torch.compile(backend="eager") saves through the hooks; gradients bit for bit."""
+    """torch.compile(backend="eager") saves through the hooks, real tensors only, each
+    unpacked once; gradients bit for bit."""
     _compiled("eager")
 
 
 def compiled_inductor_runs_the_hooks() -> None:
     """torch.compile(backend="inductor") saves through the hooks too (AOTAutograd's saved
-    tensors), each unpacked once; gradients within the foreach tolerance."""
+    tensors), real tensors only, each unpacked once; gradients within the foreach tolerance."""
     _compiled("inductor")
 
 

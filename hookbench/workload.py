@@ -30,10 +30,14 @@ Options (one field each):
     precision      "fp32"; "bf16": forward and loss under ``torch.autocast(dtype=bfloat16)``;
                    "fp16": under float16 autocast with a ``torch.amp.GradScaler``, where the
                    strategy supports it (the optimizer in backward refuses fp16, in words)
-    checkpointing  "none"; "blocks": every top-level child of the model; a module class (or a
-                   tuple of them, e.g. ``GPT2Block``) or a ``re.compile()``d pattern matched
-                   against the full module names (``re.compile(r"blocks\\.\\d+")``): every
-                   matching module not inside another one. Each runs under
+    checkpointing  "none"; "blocks": every top-level child of the model; "repeated": every
+                   instance of the first module class (in module order) that has children
+                   and more than one instance, torch's containers aside (a transformer's
+                   layer, a ResNet's block: what Hugging Face's
+                   ``gradient_checkpointing_enable`` checkpoints); a module class (or a tuple
+                   of them, e.g. ``GPT2Block``) or a ``re.compile()``d pattern matched against
+                   the full module names (``re.compile(r"blocks\\.\\d+")``): every matching
+                   module not inside another one. Each runs under
                    ``torch.utils.checkpoint(use_reentrant=False)``
     compile        None, or a ``torch.compile`` backend name ("eager", "inductor"), compiled in
                    place (``Module.compile``) so that parameter names do not change
@@ -72,11 +76,11 @@ from torch.utils.checkpoint import checkpoint
 
 from hookbench.activation_offload import ActivationOffload
 
-__all__ = ["CHECKPOINTING", "OFFLOAD", "PRECISIONS", "Workload", "configured", "load", "of",
-           "to_device"]
+__all__ = ["CHECKPOINTING", "OFFLOAD", "PRECISIONS", "Workload", "checkpointed", "configured",
+           "load", "of", "to_device"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-CHECKPOINTING = ("none", "blocks")
+CHECKPOINTING = ("none", "blocks", "repeated")
 OFFLOAD = (None, "lossless", "bf16", "int8")
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -162,7 +166,7 @@ class Workload:
             raise TypeError(f"Workload {self.name!r}: model() must return an nn.Module, got "
                             f"{type(model).__name__}")
         if self.checkpointing != "none":
-            blocks = _checkpointed(model, self.checkpointing)
+            blocks = checkpointed(model, self.checkpointing)
             if not blocks:
                 raise ValueError(f"Workload {self.name!r}: checkpointing="
                                  f"{_describe(self.checkpointing)} selects no module of "
@@ -299,11 +303,19 @@ def _selector(selector: Any, name: str) -> None:
                     f"names, got {selector!r}")
 
 
-def _checkpointed(model: nn.Module, selector: Any) -> list[nn.Module]:
+def checkpointed(model: nn.Module, selector: Any) -> list[nn.Module]:
     """The modules ``selector`` picks, outermost first, none inside another one picked (a
     checkpoint inside a checkpoint would recompute the inner block twice)."""
     if selector == "blocks":
         return list(model.children())
+    if selector == "repeated":
+        # torch's own containers are not blocks: a ModuleList is never called, and a plain
+        # Sequential holds a whole stack as often as one block's layers.
+        blocks = [type(m) for m in model.modules() if next(m.children(), None) is not None
+                  and type(m) not in (nn.Sequential, nn.ModuleList, nn.ModuleDict)]
+        selector = next((c for c in blocks if blocks.count(c) > 1), None)
+        if selector is None:
+            return []
     if isinstance(selector, re.Pattern):
         chosen = lambda name, m: bool(name) and selector.fullmatch(name)  # noqa: E731
     else:

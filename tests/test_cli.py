@@ -13,7 +13,7 @@ import torch
 from hookbench.cli import main
 from hookbench.faults import inject
 from hookbench.parity import FAMILIES
-from hookbench.report import MEMORY_STRATEGIES, OFFLOAD_ROWS
+from hookbench.report import MEMORY_STRATEGIES, SAVING_ROWS
 
 # The small transformer keeps the memory section to about a second per strategy.
 ARGS = ["report", "--model", "transformer", "--device", "fake"]
@@ -40,7 +40,7 @@ def test_report_prints_writes_and_passes(capsys, tmp_path):
     assert (tmp_path / "memory.png").read_bytes().startswith(b"\x89PNG")
     data = json.loads((tmp_path / "report.json").read_text())
     assert [m["strategy"] for m in data["memory"]] == [*MEMORY_STRATEGIES,
-                                                       *(row for row, _, _ in OFFLOAD_ROWS)]
+                                                       *(row for row, *_ in SAVING_ROWS)]
     assert by_row(data)["in_backward + offload"]["host_peak"] > 0
     by = {m["strategy"]: m for m in data["memory"]}
     assert by["in_backward"]["peak"] < by["foreach"]["peak"]
@@ -148,8 +148,8 @@ def test_report_zero2_rows_are_judged_against_their_bound(monkeypatch):
     section = report.zero2_section(spec, "fake", None, None)
     rows = {cells[0]: (ok, cells[-1]) for cells, ok in section.rows}
     # seen: fp32 0.85x, 0.71x, 0.68x the bound; bf16 with fp32 masters 0.98x, 0.76x, 0.69x
-    labels = [f"transformer rank 0 of {n}{mixed}" for n in report.ZERO2_RANKS
-              for mixed in ("", ", bf16")]
+    labels = [f"transformer rank 0 of {n}{variant}" for n in report.ZERO2_RANKS
+              for variant in ("", ", bf16", ", offload")]
     for label in labels:
         ok, verdict = rows[label]
         assert ok and "x the bound" in verdict, verdict

@@ -5,6 +5,7 @@ where the ``hf`` extra (transformers, timm) is not installed; CI installs it."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -44,9 +45,13 @@ def test_gpt2_trains_with_its_dropout_on():
 def test_zero2_trains_each_real_model_like_data_parallelism():
     rows = workload_checks.zero2(WORKLOADS)
     assert _failed(rows) == []
-    # the key third of each qkv bias (2 blocks x 192) and of GPT-2's c_attn (2 x 64), at least
-    assert "398 elements with a gradient at rounding level" in rows["vit/zero2"]["parity"]
-    assert "129 elements with a gradient at rounding level" in rows["gpt2/zero2"]["parity"]
+    # The key third of each qkv bias (2 blocks x 192) and of GPT-2's c_attn (2 x 64), at least;
+    # how many more depends on the machine's float32 kernels (seen: 398 and 129 on CI's run of
+    # eef65bf, 395 and 128 on another 2-core AVX512 machine).
+    for name, keys in (("vit", 2 * 192), ("gpt2", 2 * 64)):
+        excused = re.search(r"; (\d+) elements with a gradient at rounding level",
+                            rows[f"{name}/zero2"]["parity"])
+        assert excused and int(excused[1]) >= keys, rows[f"{name}/zero2"]["parity"]
 
 
 @pytest.mark.distributed

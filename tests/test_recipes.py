@@ -249,8 +249,11 @@ def test_the_param_groups_and_the_scheduler_change_the_training(without):
 def test_zero2_trains_param_groups_a_scheduler_clipping_and_a_key_bias_like_one_process():
     rows = workload_checks.zero2([RECIPE.replace(clip_grad_norm=0.5), KEY_BIAS])
     assert _failed(rows) == []
-    assert rows["key-bias/zero2"]["parity"].startswith("ok") or "bit-exact" in \
-        rows["key-bias/zero2"]["parity"]
+    # Compared, not refused: bit for bit, or within tolerance with the key bias's rounding-level
+    # elements excused (seen both: "ok: ... 0.00831x of tolerance" when run alone on torch
+    # 2.14.1; the old assertion only accepted a verdict starting with "ok", which none does).
+    assert re.match(r"vs forloop on the ranks' shares: (bit-exact|ok: )",
+                    rows["key-bias/zero2"]["parity"]), rows["key-bias/zero2"]["parity"]
 
 
 def test_clipping_is_held_by_the_standard_step_and_refused_by_the_optimizer_in_backward():

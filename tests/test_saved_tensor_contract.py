@@ -4,8 +4,11 @@ and the gate's offload section, each failing under the fault it guards against."
 from __future__ import annotations
 
 import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hookbench import baselines, gate, saved_tensor_contract
+from hookbench.hook_contract import ContractViolation
 from hookbench.faults import inject
 
 
@@ -22,6 +25,28 @@ def test_the_contract_fails_under_a_saved_tensor_fault(fault, broken):
     with inject(fault):
         failed = {name for name, error in saved_tensor_contract.run_all().items() if error}
     assert broken <= failed
+
+
+def test_the_compile_rows_fail_when_the_hooks_also_run_while_tracing(monkeypatch):
+    # torch 2.4's behaviour (pytorch#113263; both rows read VIOLATED there): the hooks also
+    # pack the tracer's fake tensors, which are never unpacked. Mimicked on this torch: the
+    # compiled call first runs the block on fake tensors under the same hooks (11 packs, 5 of
+    # them fake, as torch 2.4.1 reads).
+    compile = torch.compile
+
+    def tracing_under_the_hooks(model, **kwargs):
+        compiled = compile(model, **kwargs)
+
+        def call(x):
+            with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+                model(mode.from_tensor(x))
+            return compiled(x)
+        return call
+
+    monkeypatch.setattr(torch, "compile", tracing_under_the_hooks)
+    seen = r"11 packs \(5 of them the tracer's fake or functional tensors, pytorch#113263\)"
+    with pytest.raises(ContractViolation, match=seen):
+        saved_tensor_contract.compiled_eager_runs_the_hooks()
 
 
 def test_the_gates_offload_section_holds_on_the_recorded_torch():

@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from hookbench import Workload, gate, optimizer_in_backward, workload_checks
+from hookbench import Workload, gate, optimizer_in_backward, vision, workload_checks
 from hookbench.cli import main
 from hookbench.faults import inject
-from hookbench.workload import configured, load
+from hookbench.workload import checkpointed, configured, load
+from hookbench.zoo import workload as zoo_workload
 
 # A user's package, outside hookbench: a convolution over a sequence with a mask as a second
 # input (so inputs are a tuple), and a head tied to the input projection.
@@ -151,6 +152,39 @@ def test_checkpointing_blocks_recomputes_each_top_level_child_in_backward():
                                                             plain.parameters()))
     with pytest.raises(ValueError, match="checkpointing=.blocks. selects no module of Linear"):
         _tiny(model=lambda: nn.Linear(2, 2), checkpointing="blocks").build()
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(_Counted(4, 4), nn.Tanh())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+def test_checkpointing_repeated_recomputes_each_repeated_block_and_no_container():
+    # torch's Sequential is each _Block's inner stack and the model itself: neither is a block.
+    _Counted.calls = []
+    make = lambda: nn.Sequential(_Counted(3, 4), _Block(), _Block(), _Counted(4, 2))  # noqa: E731
+    w = _tiny(model=make, checkpointing="repeated")
+    model, x_y = w.build(), w.data(0)
+    assert [type(b) for b in checkpointed(model, "repeated")] == [_Block, _Block]
+    w.compute_loss(model, *x_y).backward()
+    assert sorted(_Counted.calls) == ["3->4", "4->2", *["4->4"] * 4]  # each block twice
+    plain = w.replace(checkpointing="none").build()
+    w.compute_loss(plain, *x_y).backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(),
+                                                            plain.parameters()))
+    for name, block, count in (("transformer", nn.TransformerEncoderLayer, 4),
+                               ("resnet18", vision.BasicBlock, 8),
+                               ("vit_b_16", vision.EncoderBlock, 12)):
+        assert [type(b) for b in checkpointed(zoo_workload(name).build(), "repeated")] == (
+            [block] * count)
+    with pytest.raises(ValueError, match="checkpointing='repeated' selects no module of "
+                                         "Sequential"):
+        _tiny(model=lambda: nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)),
+              checkpointing="repeated").build()
 
 
 def test_compile_keeps_parameter_names_and_values():
