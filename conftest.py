@@ -11,6 +11,9 @@ Test tiers (markers are registered in pyproject.toml and enforced with --strict-
     pytest -m slow                      the slow tier: end-to-end fault runs, the gate's
                                         self-check, large models, other world sizes
     pytest -m ""                        both
+    pytest -m peers                     what needs an optional extra (DeepSpeed, mup, diffusers,
+                                        transformers and timm, torchtune); each skips with a
+                                        reason where it is not installed
     pytest -m gpu --benchmark-enable    the GPU tier; needs CUDA, each test skips with a reason
     pytest -m distributed               tests that spawn torch.distributed worker processes
     pytest --hypothesis-profile thorough    property tests with many more examples
@@ -20,7 +23,7 @@ Test tiers (markers are registered in pyproject.toml and enforced with --strict-
     tox -e torch24 (torch28, torch211, torch213, torch215)
                                         the suite on each release the gate claims (torchvision
                                         tests skip with a reason)
-    hookbench gate; hookbench selfcheck the upgrade gate against baselines/gate.json (README)
+    hookbench gate; hookbench selfcheck the upgrade gate against baselines/gate.json (docs/gate.md)
 
 Hypothesis profiles: ``ci`` (derandomized, no deadline, moderate examples; the default when the
 CI variable is set), ``dev`` (the default otherwise: fewer examples), ``thorough``.
@@ -161,11 +164,14 @@ def _benchmarks_asked_for(config: pytest.Config) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not _benchmarks_asked_for(config):
-        benchmarks = [i for i in items if "benchmark" in getattr(i, "fixturenames", ())]
-        if benchmarks:
-            config.hook.pytest_deselected(items=benchmarks)
-            items[:] = [i for i in items if i not in benchmarks]
+    # And --benchmark-only leaves out the rest, deselected rather than skipped one by one by
+    # pytest-benchmark (a SKIPPED line each under -ra, about 116 in a passing run).
+    only = config.getoption("benchmark_only", False)
+    if only or not _benchmarks_asked_for(config):
+        left_out = [i for i in items if ("benchmark" in getattr(i, "fixturenames", ())) != only]
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = [i for i in items if i not in left_out]
     # The one place that gates the GPU tier (@pytest.mark.gpu, @pytest.mark.gpu(count=2)) and
     # the tests of torchvision's models (@pytest.mark.torchvision; absent beside torch 2.13).
     available = torch.cuda.device_count() if torch.cuda.is_available() else 0

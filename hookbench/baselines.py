@@ -111,7 +111,10 @@ def load(path: str | Path = DEFAULT) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(
             f"no baseline at {path}: run hookbench from the checkout's root (where baselines/ "
-            f"is), pass --baseline, or record one deliberately with `hookbench record`")
+            f"is), pass --baseline, or record one deliberately with `hookbench record`"
+            if path == DEFAULT else
+            f"no baseline at {path}: check the path, or record one there deliberately with "
+            f"`hookbench record --baseline {path}`")
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

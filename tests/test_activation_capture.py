@@ -436,6 +436,7 @@ def test_every_linear_of_vit_l_in_statistics_mode(torchvision):
 # -- diffusers UNet: every nn.Linear, ModelOutput flattened -------------------------------------
 
 
+@pytest.mark.peers
 def test_unet_every_linear_and_model_output():
     diffusers = pytest.importorskip("diffusers", reason="diffusers is an optional extra: "
                                     "pip install -e '.[unet]'")

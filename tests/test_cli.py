@@ -103,6 +103,7 @@ def test_coord_check_verdict_and_plot(capsys, tmp_path, parametrization, code):
     assert (tmp_path / f"coord-check-mlp-{parametrization}.png").exists()
 
 
+@pytest.mark.peers
 def test_coord_check_beside_microsoft_mup(capsys, tmp_path):
     pytest.importorskip("mup", reason="microsoft/mup is an optional peer: "
                                       "pip install -e '.[mup]'")
@@ -252,3 +253,16 @@ def test_speed_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, argv, messa
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_a_missing_baseline_is_one_line_and_exit_2_saying_what_to_do(capsys, tmp_path,
+                                                                     monkeypatch):
+    missing = tmp_path / "nope.json"
+    assert main(["gate", "--baseline", str(missing), "--sections", "hooks"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"hookbench gate: error: no baseline at {missing}: check the path, or record "
+                   f"one there deliberately with `hookbench record --baseline {missing}`"]
+    monkeypatch.chdir(tmp_path)  # no baselines/ here: the default path is missing
+    assert main(["gate", "--sections", "hooks"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run hookbench from the checkout's root" in err[0]

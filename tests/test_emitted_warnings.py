@@ -38,7 +38,7 @@ def test_every_run_emits_the_recorded_warnings(base, emitted):
     assert {run: w for run, w in emitted.items() if w and not run.startswith("checkpoint")} == {}
     assert _section(base, emitted, strict=False).ok
     if base["recorded_with"]["torch"] == torch.__version__:  # other releases word them
-        section = _section(base, emitted, strict=True)     # differently (README)
+        section = _section(base, emitted, strict=True)     # differently (docs/releases.md)
         assert section.ok, render([section])
         assert all(cells[-1] == "as recorded" for cells, _ in section.rows)
 

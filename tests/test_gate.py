@@ -385,7 +385,7 @@ def test_selfcheck_catches_every_fault_and_passes_clean(tmp_path):
     out, baseline = tmp_path / "selfcheck.json", BASELINE
     if baselines.load(BASELINE)["recorded_with"]["torch"] != torch.__version__:
         # Another torch than the baseline's (tox -e torch24 ...): its real differences (the
-        # README's) would fail the clean run, so the gate's power is shown against a baseline
+        # docs/releases.md) would fail the clean run, so the gate's power is shown against a baseline
         # recorded on this torch. ~2 min more.
         baseline = tmp_path / "gate.json"
         assert main(["record", "--baseline", str(baseline), "--models", "transformer",
@@ -395,7 +395,7 @@ def test_selfcheck_catches_every_fault_and_passes_clean(tmp_path):
          "--models", "transformer", "--json", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=900)
     # A pair a torch computes wrongly fails whatever was recorded: on 2.4.1 and 2.8.0 gloo's
-    # reduce_scatter ignores op (README), so their clean gate fails on exactly those rows.
+    # reduce_scatter ignores op (docs/releases.md), so their clean gate fails on exactly those rows.
     wrong = {k for k, v in baselines.load(baseline)["collectives"].items()
              if v.startswith("WRONG")}
     assert proc.returncode == (1 if wrong else 0), proc.stdout[-3000:] + proc.stderr[-3000:]

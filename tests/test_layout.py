@@ -139,3 +139,24 @@ def test_the_helpers_zero2_copies_match_their_originals(helper):
         return [ast.dump(s) for s in statements]
 
     assert body("zero2") == body("optimizer_in_backward")
+
+
+def test_the_public_names_import_from_the_top_and_only_when_used():
+    # `import hookbench` (the plugin's entry point does) must not import torch; each name is
+    # its mechanism's own class, loaded on first use.
+    code = ("import sys, hookbench; assert 'torch' not in sys.modules, 'torch at import'; "
+            "from hookbench import ActivationCapture, ActivationOffload, OptimizerInBackward, "
+            "Workload, Zero2; "
+            "assert [c.__module__ for c in (ActivationCapture, ActivationOffload, "
+            "OptimizerInBackward, Workload, Zero2)] == ['hookbench.activation_capture', "
+            "'hookbench.activation_offload', 'hookbench.optimizer_in_backward', "
+            "'hookbench.workload', 'hookbench.zero2']; "
+            "import hookbench as h; assert sorted(h.__all__) == h.__all__ and set(h.__all__) <= "
+            "set(dir(h))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with pytest.raises(AttributeError, match="has no attribute 'Zero3'"):
+        import hookbench
+
+        hookbench.Zero3  # noqa: B018

@@ -113,6 +113,7 @@ def test_the_coordinate_check_sees_the_old_readout_at_init(old_readout):
     assert r.shrink("out", 0) > 12, r.verdict()
 
 
+@pytest.mark.peers
 def test_the_library_comparison_fails_on_the_old_readout(old_readout):
     pytest.importorskip("mup", reason="microsoft/mup is an optional peer: "
                                       "pip install -e '.[mup]'")

@@ -11,6 +11,8 @@ pytest.importorskip("mup", reason="microsoft/mup is an optional peer: pip instal
 from hookbench.coord_check import coord_check  # noqa: E402
 from hookbench.peers import microsoft_mup  # noqa: E402
 
+pytestmark = pytest.mark.peers
+
 # float64 rounding: 2^-53. The transformer's attention is the one operation that differs
 # (SDPA in hookbench; q.k^T * attn_mult / d_head, softmax, @ v written out in the library's
 # way): each attention output sums the same <= 16 keys x d_head <= 128 products in another
@@ -19,7 +21,7 @@ from hookbench.peers import microsoft_mup  # noqa: E402
 # is a ratio of the gradient's own moments. 1e-12 leaves a margin of about 50x over that and
 # sits ten orders of magnitude below any parametrization difference (a factor sqrt(2) at the
 # first width doubling). Seen: 8.6e-16 (zero readout) and 4.8e-14 (random readout). In
-# float32 the same comparison differs by 2.9e-6 and 2.1e-5 (README).
+# float32 the same comparison differs by 2.9e-6 and 2.1e-5 (docs/activation-capture.md).
 TRANSFORMER_RTOL = 1e-12
 OPTIONS = [True, False]
 IDS = ["zero-readout", "mureadout-init"]

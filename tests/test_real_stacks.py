@@ -20,6 +20,8 @@ from hfstack.workloads import GPT2, LLAMA_BF16, VIT, WORKLOADS  # noqa: E402
 from hookbench import workload_checks  # noqa: E402
 from hookbench.faults import inject  # noqa: E402
 
+pytestmark = pytest.mark.peers
+
 
 def _failed(rows: dict) -> list[str]:
     return [key for key, row in rows.items() if row.get("problems") or "error" in row]

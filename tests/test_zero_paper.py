@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def rows():
-    # N = 1 and 64: the paper's 120, 31.4 and 16.6 GB (8 and 1024 are in the README's run).
+    # N = 1 and 64: the paper's 120, 31.4 and 16.6 GB (8 and 1024 are in docs/zero2.md's run).
     return {(r.stage, r.world): r for r in zero_paper.table((1, 64))}
 
 

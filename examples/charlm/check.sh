@@ -26,4 +26,5 @@ expect 1 "GATE FAILED in .*workloads" hookbench gate --fault keeps_gradients_ali
 expect 0 "6 passed" python -m pytest -q -p no:cacheprovider
 expect 1 "5 failed, 1 passed" python -m pytest -q -p no:cacheprovider --hookbench-fault fires_twice
 rm -f check.log
+if [ $status -eq 0 ]; then echo "check.sh: every step as expected (under a fault the gate and the tests fail, as they must)"; fi
 exit $status

@@ -34,5 +34,5 @@ done
 expect 0 "8 passed" python -m pytest -q -p no:cacheprovider
 expect 1 "[1-9] failed" python -m pytest -q -p no:cacheprovider --hookbench-fault fires_twice
 rm -f check.log
-if [ $status -eq 0 ]; then echo "check.sh: every step as expected"; fi
+if [ $status -eq 0 ]; then echo "check.sh: every step as expected (under a fault the gate and the tests fail, as they must)"; fi
 exit $status
