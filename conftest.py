@@ -39,8 +39,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
+from hookbench.core.leak_guard import HookLeakGuard, HookTracker
 from hookbench.gate import WHOLE_STEP_PAIRS
-from hookbench.leak_guard import HookLeakGuard, HookTracker
 
 # The plugin is an entry point where hookbench is installed; a plain checkout (another torch
 # release run from the tree) loads it from here, and only then: an installed copy registered
@@ -208,7 +208,8 @@ def _seed():
 # The hook-leak guard. One tracker for the whole session weakly records every module and
 # parameter built (from before collection on); each test, and each fixture of a wider scope,
 # is a guard over it: a hook added during the test, or during the fixture's setup, must be gone
-# when the test, or the fixture's teardown, ends (hookbench/leak_guard.py says what it can't see).
+# when the test, or the fixture's teardown, ends (hookbench/core/leak_guard.py says what it can't
+# see).
 _HOOK_TRACKER = pytest.StashKey[HookTracker]()
 
 

@@ -16,11 +16,11 @@ import importlib
 # point does not import torch into every pytest run of an environment where hookbench is
 # installed.
 _PUBLIC = {
-    "ActivationCapture": "hookbench.activation_capture",
-    "ActivationOffload": "hookbench.activation_offload",
-    "OptimizerInBackward": "hookbench.optimizer_in_backward",
-    "Workload": "hookbench.workload",
-    "Zero2": "hookbench.zero2",
+    "ActivationCapture": "hookbench.mechanisms.activation_capture",
+    "ActivationOffload": "hookbench.mechanisms.activation_offload",
+    "OptimizerInBackward": "hookbench.mechanisms.optimizer_in_backward",
+    "Workload": "hookbench.core.workload",
+    "Zero2": "hookbench.mechanisms.zero2",
 }
 __all__ = sorted(_PUBLIC)
 __version__ = "0.1.0"

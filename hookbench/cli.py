@@ -30,18 +30,20 @@ from typing import Any
 
 import torch
 
-from hookbench import (baselines, checks, gate, launch, plot, report, workload_checks,
-                       zero2_runs, zero_paper)
-from hookbench.activation_capture import ActivationCapture
-from hookbench.coord_check import QUANTITIES, coord_check, ratios
-from hookbench.faults import FAULTS
-from hookbench.memory import format_bytes, measure
-from hookbench.parity import compare, parameters_only, trajectory
-from hookbench.prerequisites import attempt
-from hookbench.workload import Workload, checkpointed, configured, load
-from hookbench.workload_checks import refusal, refused_words
-from hookbench.zoo import ZOO
-from hookbench.zoo import workload as zoo_workload
+from hookbench import gate, report
+from hookbench.core import launch
+from hookbench.core.prerequisites import attempt
+from hookbench.core.workload import Workload, checkpointed, configured, load
+from hookbench.gate import baselines, checks, workload_checks
+from hookbench.gate.workload_checks import refusal, refused_words
+from hookbench.measure import plot, zero2_runs, zero_paper
+from hookbench.measure.coord_check import QUANTITIES, coord_check, ratios
+from hookbench.measure.faults import FAULTS
+from hookbench.measure.memory import format_bytes, measure
+from hookbench.measure.parity import compare, parameters_only, trajectory
+from hookbench.mechanisms.activation_capture import ActivationCapture
+from hookbench.models.zoo import ZOO
+from hookbench.models.zoo import workload as zoo_workload
 
 
 def _progress(message: str) -> None:
@@ -462,7 +464,7 @@ def _coord_check(args: argparse.Namespace) -> int:
                    readout_zero_init=args.readout_init == "zero")
     if args.peer:
         try:
-            from hookbench.peers import microsoft_mup
+            from hookbench.measure.peers import microsoft_mup
         except ImportError as e:
             raise ImportError(f"--peer mup needs microsoft/mup (pip install -e '.[mup]'): {e}")
     _progress(f"training {args.model} ({args.parametrization}) at widths {widths}, "

@@ -17,7 +17,7 @@ In your own test suite, the ``hookbench`` fixture checks your ``hookbench.Worklo
         hookbench.assert_hook_contract()           # the PyTorch behaviours they rely on
 
 and ``pytest --hookbench-fault NAME`` runs the whole suite with that PyTorch fault injected
-(``hookbench.faults``), to prove that your checks fail when the hooks break.
+(``hookbench.measure.faults``), to prove that your checks fail when the hooks break.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 if TYPE_CHECKING:
-    from hookbench.workload import Workload
+    from hookbench.core.workload import Workload
 
 __all__ = ["Checks"]
 
@@ -37,14 +37,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     # Validated in pytest_configure: importing the fault list here would import torch in
     # every pytest run of an environment that has hookbench installed.
     group.addoption("--hookbench-fault", default=None, metavar="NAME",
-                    help="inject this PyTorch hook fault (hookbench.faults) into every test; "
+                    help="inject this PyTorch hook fault (hookbench.measure.faults) into every test; "
                          "the suite must then fail")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     fault = config.getoption("--hookbench-fault")
     if fault is not None:
-        from hookbench.faults import FAULTS
+        from hookbench.measure.faults import FAULTS
 
         if fault not in FAULTS:
             raise pytest.UsageError(f"--hookbench-fault {fault}: unknown fault; choose from "
@@ -63,7 +63,7 @@ def _hookbench_fault(request: pytest.FixtureRequest):
     if fault is None:
         yield
         return
-    from hookbench.faults import inject
+    from hookbench.measure.faults import inject
 
     with inject(fault):
         yield
@@ -71,7 +71,7 @@ def _hookbench_fault(request: pytest.FixtureRequest):
 
 class Checks:
     """What the ``hookbench`` fixture gives a test: assertions on a workload, each failing
-    with the rows that did not hold (``hookbench.workload_checks``). ``fault``: the one
+    with the rows that did not hold (``hookbench.gate.workload_checks``). ``fault``: the one
     ``--hookbench-fault`` injects, passed on into spawned ranks."""
 
     def __init__(self, fault: str | None = None) -> None:
@@ -90,7 +90,7 @@ class Checks:
         per parameter and grouped, bit for bit like the for-loop step; grouped foreach and
         bucketed within tolerance of foreach), or refuses it by design (the optimizer in
         backward with fp16 or gradient clipping). Returns the rows."""
-        from hookbench import workload_checks
+        from hookbench.gate import workload_checks
 
         return self._require(workload_checks.trajectories(workload),
                              f"{workload.name}: a strategy does not train like its reference")
@@ -98,7 +98,7 @@ class Checks:
     def assert_zero2_parity(self, workload: Workload) -> dict[str, Any]:
         """ZeRO-2 on 2 spawned gloo ranks trains ``workload`` like the for-loop step on the
         ranks' shares of each batch, frees every gradient, runs every hook once."""
-        from hookbench import workload_checks
+        from hookbench.gate import workload_checks
 
         return self._require(workload_checks.zero2([workload], self.fault),
                              f"{workload.name}: ZeRO-2 does not train like data parallelism")
@@ -109,7 +109,7 @@ class Checks:
         would round them): the optimizer in backward no higher than the standard step, no
         strategy but the standard one holding every gradient at once, and each peak within
         ``at_most`` (strategy -> bytes). Returns the peaks."""
-        from hookbench import workload_checks
+        from hookbench.gate import workload_checks
 
         rows = self._require(workload_checks.memory(workload),
                              f"{workload.name}: the memory of a strategy regressed")
@@ -127,15 +127,15 @@ class Checks:
     def assert_capture(self, workload: Workload) -> dict[str, Any]:
         """``ActivationCapture`` on ``workload``'s training forward changes neither the loss
         nor any gradient, records one output per module call and leaves no hook behind."""
-        from hookbench import workload_checks
+        from hookbench.gate import workload_checks
 
         return self._require(workload_checks.capture(workload),
                              f"{workload.name}: activation capture changed the training step")
 
     def assert_hook_contract(self) -> None:
         """Every PyTorch hook behaviour the mechanisms rely on holds
-        (``hookbench.hook_contract``)."""
-        from hookbench import hook_contract
+        (``hookbench.measure.hook_contract``)."""
+        from hookbench.measure import hook_contract
 
         violated = [f"{name}: {error}" for name, error in hook_contract.run_all().items()
                     if error is not None]

@@ -11,11 +11,12 @@ from typing import Any, Callable
 
 import torch
 
-from hookbench import launch, zero2_runs
-from hookbench.checks import Section, Verdict
-from hookbench.memory import CATEGORIES, MemoryResult, format_bytes, measure, table_unit
-from hookbench.parity import compare, parameters_only, trajectory
-from hookbench.workload import Workload
+from hookbench.core import launch
+from hookbench.core.workload import Workload
+from hookbench.gate.checks import Section, Verdict
+from hookbench.measure import zero2_runs
+from hookbench.measure.memory import CATEGORIES, MemoryResult, format_bytes, measure, table_unit
+from hookbench.measure.parity import compare, parameters_only, trajectory
 
 __all__ = ["MEMORY_STRATEGIES", "SAVING_ROWS", "memory_section", "render", "workload_section",
            "zero2_section"]
@@ -135,7 +136,7 @@ FP16 = {"param_dtype": torch.float16,
 
 
 def workload_section(title: str, rows: dict[str, dict[str, Any]]) -> Section:
-    """A user's workload checked live (``hookbench.workload_checks`` rows): each row's parity
+    """A user's workload checked live (``hookbench.gate.workload_checks`` rows): each row's parity
     with its reference, its refusal by design, or what is wrong with it."""
     section = Section(title, ("workload/check", "verdict"))
     for key, value in rows.items():

@@ -22,13 +22,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.nn.modules import module as module_mod
 
-from hookbench.activation_capture import (
+from hookbench.measure.memory import StorageTracker
+from hookbench.mechanisms.activation_capture import (
     STATS,
     ActivationCapture,
     flatten,
     statistics,
 )
-from hookbench.memory import StorageTracker
 
 IMAGE = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
 

@@ -1,4 +1,4 @@
-"""hookbench.activation_offload: saved activations in host memory until backward, optionally
+"""hookbench.mechanisms.activation_offload: saved activations in host memory until backward, optionally
 compressed. Lossless offload is bit for bit training without it; compression stays within the
 bound derived for each mode; every trap a real implementation handles is pinned, and what torch
 itself does under saved-tensor hooks (no version check, checkpoint's hooks innermost, compile)
@@ -15,13 +15,13 @@ from torch import nn
 from torch.autograd.graph import disable_saved_tensors_hooks, saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
-from hookbench.activation_offload import ActivationOffload, copying_to_host
-from hookbench.faults import inject
-from hookbench.memory import measure
-from hookbench.parity import compare, trajectory
-from hookbench.workload import of
-from hookbench.zoo import TinySpec
-from hookbench.zoo import workload as zoo_workload
+from hookbench.core.workload import of
+from hookbench.measure.faults import inject
+from hookbench.measure.memory import measure
+from hookbench.measure.parity import compare, trajectory
+from hookbench.mechanisms.activation_offload import ActivationOffload, copying_to_host
+from hookbench.models.zoo import TinySpec
+from hookbench.models.zoo import workload as zoo_workload
 
 
 def _mlp(width: int = 64) -> nn.Module:
@@ -181,7 +181,7 @@ def test_under_torch_compile_it_offloads_and_holds(backend):
     pairs = list(zip(model.parameters(), plain.parameters()))
     if backend == "eager":  # the same kernels: bit for bit
         assert all(torch.equal(p.grad, q.grad) for p, q in pairs)
-    else:  # inductor's own kernels: the foreach tolerance (hookbench.parity)
+    else:  # inductor's own kernels: the foreach tolerance (hookbench.measure.parity)
         assert all(torch.allclose(p.grad, q.grad, rtol=1e-5, atol=1e-6) for p, q in pairs)
 
 
@@ -433,7 +433,7 @@ def test_torchs_save_on_cpu_as_a_peer_gives_the_same_gradients():
 
 @pytest.mark.distributed
 def test_zero2_with_lossless_offload_trains_bit_for_bit_like_without():
-    from hookbench import workload_checks
+    from hookbench.gate import workload_checks
 
     spec = of(TinySpec(depth=3, width=64, batch_size=16))  # 2 KB activations per rank's share
     rows = workload_checks.zero2([spec.replace(name="plain"),

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hookbench import baselines, checkpoints, gate
-from hookbench.faults import inject
+from hookbench import gate
+from hookbench.gate import baselines, checkpoints
+from hookbench.measure.faults import inject
 from hookbench.report import render
 
 BASELINE = Path(__file__).resolve().parent.parent / "baselines" / "gate.json"

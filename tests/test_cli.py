@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hookbench.cli import main
-from hookbench.faults import inject
-from hookbench.parity import FAMILIES
+from hookbench.measure.faults import inject
+from hookbench.measure.parity import FAMILIES
 from hookbench.report import MEMORY_STRATEGIES, SAVING_ROWS
 
 # The small transformer keeps the memory section to about a second per strategy.
@@ -143,7 +143,7 @@ def test_zero2_demo_prints_per_rank_memory_and_parity(capsys):
 @pytest.mark.distributed
 def test_report_zero2_rows_are_judged_against_their_bound(monkeypatch):
     from hookbench import report
-    from hookbench.zoo import workload as zoo_workload
+    from hookbench.models.zoo import workload as zoo_workload
 
     spec = zoo_workload("transformer")
     section = report.zero2_section(spec, "fake", None, None)
@@ -187,8 +187,8 @@ def test_capture_of_modules_that_never_run_is_one_line_and_exit_2(capsys):
 
 def test_report_memory_rows_that_could_not_run_fail_or_skip_naming_why():
     from hookbench import report
-    from hookbench.checks import Verdict
-    from hookbench.prerequisites import MissingPrerequisite, attempt
+    from hookbench.core.prerequisites import MissingPrerequisite, attempt
+    from hookbench.gate.checks import Verdict
 
     def needs():
         raise MissingPrerequisite("fused CPU Adam needs torch >= 2.4; this is 2.3.1")

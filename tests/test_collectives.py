@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hookbench import baselines, collectives, gate
+from hookbench import gate
+from hookbench.gate import baselines, collectives
 
 BASELINE = Path(__file__).resolve().parent.parent / "baselines" / "gate.json"
 NOT_SUM = ("AVG", "MAX", "MIN", "PRODUCT")

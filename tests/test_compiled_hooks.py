@@ -1,4 +1,4 @@
-"""Hooks under torch.compile (hookbench.compiled_hooks): the outcomes pinned per torch, the
+"""Hooks under torch.compile (hookbench.gate.compiled_hooks): the outcomes pinned per torch, the
 explanations, the state run_all leaves behind, and a fault that the checks must see."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.nn.modules import module as module_mod
 
-from hookbench import compiled_hooks
-from hookbench.compiled_hooks import BACKENDS, CHECKS, EXPLAINED, run_all
-from hookbench.faults import inject
+from hookbench.gate import compiled_hooks
+from hookbench.gate.compiled_hooks import BACKENDS, CHECKS, EXPLAINED, run_all
+from hookbench.measure.faults import inject
 
 # run_all over every backend compiles with inductor: ~10 s with a warm cache, ~30 s cold; the
 # tests that read it are the slow tier. The default tier runs the eager backend's forward-hook

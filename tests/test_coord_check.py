@@ -7,8 +7,9 @@ import math
 import pytest
 from torch import nn
 
-from hookbench import mup, plot
-from hookbench.coord_check import coord_check, ratios
+from hookbench.measure import plot
+from hookbench.measure.coord_check import coord_check, ratios
+from hookbench.models import mup
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO stage 2 as a peer of hookbench's ZeRO-2 (``hookbench.peers.deepspeed_zero2``),
+"""DeepSpeed ZeRO stage 2 as a peer of hookbench's ZeRO-2 (``hookbench.measure.peers.deepspeed_zero2``),
 2 gloo ranks. fp32: the same parameters at every step, bit for bit, with and without gradient
 accumulation; within tolerance with global-norm clipping. bf16 mixed precision (DeepSpeed's
 ``"bf16": {"enabled": true}``, Zero2's ``param_dtype=torch.bfloat16``), gradients reduced in bf16
@@ -21,10 +21,11 @@ import torch
 pytest.importorskip("deepspeed", reason="DeepSpeed is an optional peer: pip install -e "
                                         "'.[peers]' (with DS_BUILD_OPS=0)")
 
-from hookbench import launch, zero2_runs  # noqa: E402
-from hookbench.peers import deepspeed_zero2  # noqa: E402
-from hookbench.prerequisites import MissingPrerequisite  # noqa: E402
-from hookbench.zoo import TinySpec  # noqa: E402
+from hookbench.core import launch
+from hookbench.core.prerequisites import MissingPrerequisite  # noqa: E402
+from hookbench.measure import zero2_runs  # noqa: E402
+from hookbench.measure.peers import deepspeed_zero2  # noqa: E402
+from hookbench.models.zoo import TinySpec  # noqa: E402
 
 pytestmark = [pytest.mark.peers, pytest.mark.distributed]
 # The comparisons start DeepSpeed's ranks and hookbench's (about 20 s): the slow tier and
@@ -123,7 +124,7 @@ def test_with_clipping_within_tolerance(runs, name):
 @SLOW
 @pytest.mark.parametrize("fault", FAULTS)
 def test_a_fault_in_hookbench_fails_the_comparison(runs, fault):
-    # The fault is injected on hookbench's side only (hookbench.faults, inside each rank);
+    # The fault is injected on hookbench's side only (hookbench.measure.faults, inside each rank);
     # DeepSpeed's side is the clean Adam run. The same check that passes above must fail.
     for rank in range(WORLD):
         faulty = runs[fault,][rank]["hookbench"]
@@ -241,7 +242,8 @@ def memory():
 
 @SLOW
 def test_per_rank_memory_below_deepspeed(memory):
-    # Both measured by hookbench.memory's StorageTracker on real CPU tensors, 512-byte rounding,
+    # Both measured by hookbench.measure.memory's StorageTracker on real CPU tensors, 512-byte
+    # rounding,
     # one warm-up step, then the peak of one step, on each of the 2 ranks
     # (deepspeed_zero2.rank_memory; DeepSpeed's meta tensors, one per parameter for its shape,
     # not counted: they hold no memory). MB (2^20 bytes) per rank, seen on torch 2.14.1 and

@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hookbench import baselines, emitted_warnings, gate
-from hookbench.faults import inject
+from hookbench import gate
+from hookbench.gate import baselines, emitted_warnings
+from hookbench.measure.faults import inject
 from hookbench.report import render
 
 BASELINE = Path(__file__).resolve().parent.parent / "baselines" / "gate.json"
@@ -58,7 +59,7 @@ def test_a_description_masks_numbers_and_line_numbers_and_keeps_the_source():
                                    DeprecationWarning, emitted_warnings.__file__, int(n) + 1)
     described = {emitted_warnings.describe(w) for w in caught}
     assert described == {"DeprecationWarning: bucket of # at # in release # "
-                         "(hookbench/emitted_warnings.py)"}
+                         "(hookbench/gate/emitted_warnings.py)"}
 
 
 def test_a_new_warning_is_listed_and_fails_only_when_strict(base, emitted):

@@ -1,6 +1,6 @@
 """The suite fails when post-accumulate-grad hooks misbehave.
 
-Each fault of hookbench.faults is injected and the suite's own checks must catch it: the hook
+Each fault of hookbench.measure.faults is injected and the suite's own checks must catch it: the hook
 contract, the parity of optimizer-in-backward with a standard step, the live-gradient count,
 and, end to end, a pytest run of the mechanism's test file with the fault injected. The
 collective faults are caught in test_zero2.py; the whole catalogue against the upgrade gate in
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hookbench import hook_contract
-from hookbench.faults import FAULTS, HOOK_FAULTS, inject
-from hookbench.parity import FAMILIES, compare, live_gradients, tolerance, trajectory
-from hookbench.zoo import TinySpec
+from hookbench.measure import hook_contract
+from hookbench.measure.faults import FAULTS, HOOK_FAULTS, inject
+from hookbench.measure.parity import FAMILIES, compare, live_gradients, tolerance, trajectory
+from hookbench.models.zoo import TinySpec
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hookbench import baselines, checks, gate
-from hookbench.prerequisites import attempt
+from hookbench import gate
 from hookbench.cli import main
-from hookbench.faults import FAULTS, inject
-from hookbench.memory import format_bytes
-from hookbench.parity import IMPLEMENTATION_CASES
+from hookbench.core.prerequisites import attempt
+from hookbench.gate import baselines, checks
+from hookbench.measure.faults import FAULTS, inject
+from hookbench.measure.memory import format_bytes
+from hookbench.measure.parity import IMPLEMENTATION_CASES
 from hookbench.report import render
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,7 +161,7 @@ def test_a_measurement_that_raises_fails_and_is_named(base):
 
 
 def test_a_missing_prerequisite_skips_and_says_which(base):
-    from hookbench.prerequisites import MissingPrerequisite
+    from hookbench.core.prerequisites import MissingPrerequisite
 
     def needs() -> dict:
         raise MissingPrerequisite("fused CPU Adam needs torch >= 2.4; this is 2.3.1")
@@ -385,7 +386,8 @@ def test_selfcheck_catches_every_fault_and_passes_clean(tmp_path):
     out, baseline = tmp_path / "selfcheck.json", BASELINE
     if baselines.load(BASELINE)["recorded_with"]["torch"] != torch.__version__:
         # Another torch than the baseline's (tox -e torch24 ...): its real differences (the
-        # docs/releases.md) would fail the clean run, so the gate's power is shown against a baseline
+        # docs/releases.md) would fail the clean run, so the gate's power is shown against a
+        # baseline
         # recorded on this torch. ~2 min more.
         baseline = tmp_path / "gate.json"
         assert main(["record", "--baseline", str(baseline), "--models", "transformer",

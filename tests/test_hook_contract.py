@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hookbench.hook_contract import (
+from hookbench.measure.hook_contract import (
     CHECKS,
     ContractViolation,
     _expect,

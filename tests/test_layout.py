@@ -1,6 +1,8 @@
-"""The package's shape: the mechanisms stand alone (each one file a user can copy), imports
-point one way only, from the command line down to the mechanisms, and no module imports, at
-load time or inside a function, anything that imports it back."""
+"""The package's shape: one folder per layer, lowest first ``mechanisms`` (each one file a user
+can copy), ``core``, ``models``, ``measure``, ``gate``, then the interface at the top (the
+command line, the report, the plugin). A module's layer is its folder, so a new module is placed
+by where it is saved; imports point one way only, down, and no module imports, at load time or
+inside a function, anything that imports it back."""
 
 from __future__ import annotations
 
@@ -12,22 +14,17 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hookbench"
-MECHANISMS = ("optimizer_in_backward", "activation_capture", "zero2", "activation_offload")
 # The layers, lowest first: a module may import its own layer and those below, never above.
-LAYERS = {
-    "mechanisms": MECHANISMS,
-    "foundations": ("prerequisites", "launch", "leak_guard", "vision", "mup", "workload"),
-    "models": ("zoo",),
-    "measurement": ("parity", "memory", "hook_contract", "saved_tensor_contract", "coord_check",
-                    "faults", "zero2_runs",
-                    "zero_paper", "plot", "peers", "peers.microsoft_mup",
-                    "peers.deepspeed_zero2"),
-    "gate": ("checks", "baselines", "checkpoints", "collectives", "compiled_hooks",
-             "emitted_warnings", "workload_checks", "gate"),
-    "interface": ("report", "cli", "__main__", "pytest_plugin", ""),
-}
-LAYER = {f"hookbench.{m}".rstrip("."): i for i, (_, modules) in enumerate(LAYERS.items())
-         for m in modules}
+# "" is the package's top folder, the interface.
+LAYERS = ("mechanisms", "core", "models", "measure", "gate", "")
+MECHANISMS = tuple(sorted(p.stem for p in (PACKAGE / "mechanisms").glob("*.py")
+                          if p.stem != "__init__"))
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")[1:]  # hookbench.measure.peers.x: measure
+    folder = parts[0] if len(parts) > 1 or (parts and parts[0] in LAYERS) else ""
+    return LAYERS.index(folder)
 
 
 def _module(path: Path) -> str:
@@ -77,14 +74,14 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_a_mechanism_imports_nothing_from_hookbench(mechanism):
-    assert _imports(PACKAGE / f"{mechanism}.py") == set()
+    assert _imports(PACKAGE / "mechanisms" / f"{mechanism}.py") == set()
 
 
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_a_mechanism_file_works_copied_out_of_the_package(mechanism, tmp_path):
     # Copied under another name into a folder of the user's, with hookbench unimportable.
     copy = tmp_path / f"my_{mechanism}.py"
-    copy.write_text((PACKAGE / f"{mechanism}.py").read_text())
+    copy.write_text((PACKAGE / "mechanisms" / f"{mechanism}.py").read_text())
     code = ("import sys; sys.modules['hookbench'] = None; import my_{0}; "
             "assert not [m for m in sys.modules if m.startswith('hookbench.')]").format(mechanism)
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
@@ -94,21 +91,26 @@ def test_a_mechanism_file_works_copied_out_of_the_package(mechanism, tmp_path):
 
 def test_the_package_has_no_import_cycle():
     graph = _graph()
-    assert {"hookbench.gate", "hookbench.zero2_runs", "hookbench.peers.microsoft_mup"} <= set(graph)
+    assert {"hookbench.gate", "hookbench.measure.zero2_runs",
+            "hookbench.measure.peers.microsoft_mup"} <= set(graph)
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
 def _upward(graph: dict[str, set[str]]) -> list[str]:
-    return sorted(f"{a} ({list(LAYERS)[LAYER[a]]}) imports {b} ({list(LAYERS)[LAYER[b]]})"
-                  for a, imported in graph.items() for b in imported if LAYER[b] > LAYER[a])
+    def named(module: str) -> str:
+        return f"{module} ({LAYERS[_layer(module)] or 'interface'})"
+
+    return sorted(f"{named(a)} imports {named(b)}" for a, imported in graph.items()
+                  for b in imported if _layer(b) > _layer(a))
 
 
 @pytest.mark.smoke
-def test_every_module_has_a_layer_and_imports_point_down():
-    graph = _graph()
-    assert sorted(set(graph) - set(LAYER)) == []  # a new module is placed on purpose
-    assert sorted(set(LAYER) - set(graph)) == []
-    assert _upward(graph) == []
+def test_every_folder_is_a_layer_and_imports_point_down():
+    folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == sorted(LAYERS[:-1])  # a new folder is a new layer: placed on purpose
+    assert MECHANISMS == ("activation_capture", "activation_offload", "optimizer_in_backward",
+                          "zero2")
+    assert _upward(_graph()) == []
 
 
 def test_the_layer_check_finds_an_upward_import():
@@ -116,15 +118,21 @@ def test_the_layer_check_finds_an_upward_import():
     graph = _graph()
     graph["hookbench.gate"] = graph["hookbench.gate"] | {"hookbench.report"}
     assert _upward(graph) == ["hookbench.gate (gate) imports hookbench.report (interface)"]
+    # and within the layers: a mechanism taking the workload from the layer above it
+    graph = _graph()
+    graph["hookbench.mechanisms.zero2"] |= {"hookbench.core.workload"}
+    assert _upward(graph) == ["hookbench.mechanisms.zero2 (mechanisms) imports "
+                              "hookbench.core.workload (core)"]
 
 
 def test_the_cycle_finder_finds_a_cycle():
     # The check above must be able to fail: zero2 importing its harness back is the cycle this
     # layout removed (zero2 -> parity -> zero2 before).
     graph = _graph()
-    graph["hookbench.zero2"] = graph["hookbench.zero2"] | {"hookbench.zero2_runs"}
+    graph["hookbench.mechanisms.zero2"] |= {"hookbench.measure.zero2_runs"}
     cycle = _cycle(graph)
-    assert cycle[0] == cycle[-1] and {"hookbench.zero2", "hookbench.zero2_runs"} <= set(cycle)
+    assert cycle[0] == cycle[-1]
+    assert {"hookbench.mechanisms.zero2", "hookbench.measure.zero2_runs"} <= set(cycle)
     assert all(b in graph[a] for a, b in zip(cycle, cycle[1:]))
 
 
@@ -132,7 +140,7 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_the_helpers_zero2_copies_match_their_originals(helper):
     # Copied so that zero2.py stands alone; a fix to one copy must reach the other.
     def body(module: str) -> list[str]:
-        tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+        tree = ast.parse((PACKAGE / "mechanisms" / f"{module}.py").read_text())
         fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == helper)
         statements = fn.body[1:] if isinstance(fn.body[0], ast.Expr) and isinstance(
             fn.body[0].value, ast.Constant) else fn.body  # without the docstring
@@ -148,9 +156,11 @@ def test_the_public_names_import_from_the_top_and_only_when_used():
             "from hookbench import ActivationCapture, ActivationOffload, OptimizerInBackward, "
             "Workload, Zero2; "
             "assert [c.__module__ for c in (ActivationCapture, ActivationOffload, "
-            "OptimizerInBackward, Workload, Zero2)] == ['hookbench.activation_capture', "
-            "'hookbench.activation_offload', 'hookbench.optimizer_in_backward', "
-            "'hookbench.workload', 'hookbench.zero2']; "
+            "OptimizerInBackward, Workload, Zero2)] == ["
+            "'hookbench.mechanisms.activation_capture', "
+            "'hookbench.mechanisms.activation_offload', "
+            "'hookbench.mechanisms.optimizer_in_backward', "
+            "'hookbench.core.workload', 'hookbench.mechanisms.zero2']; "
             "import hookbench as h; assert sorted(h.__all__) == h.__all__ and set(h.__all__) <= "
             "set(dir(h))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
 
-from hookbench.leak_guard import HookLeakGuard, HookTracker, untracked
+from hookbench.core.leak_guard import HookLeakGuard, HookTracker, untracked
 
 pytest_plugins = ["pytester"]
 

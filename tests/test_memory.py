@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hookbench import plot, report
-from hookbench.faults import inject
-from hookbench.memory import CATEGORIES, format_bytes, measure, table_unit
+from hookbench import report
+from hookbench.measure import plot
+from hookbench.measure.faults import inject
+from hookbench.measure.memory import CATEGORIES, format_bytes, measure, table_unit
+from hookbench.models.zoo import BENCHMARK_MLP
+from hookbench.models.zoo import workload as zoo_workload
 from hookbench.report import memory_section
-from hookbench.zoo import BENCHMARK_MLP
-from hookbench.zoo import workload as zoo_workload
 
 GB = 1e9
 VIT_L = zoo_workload("vit_l_16", batch_size=1)
@@ -188,7 +189,7 @@ def test_agrees_with_torch_memtracker():
         reason="torch.distributed._tools.mem_tracker (private) is not in this torch")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hookbench.memory import _materialize
+    from hookbench.measure.memory import _materialize
 
     spec = zoo_workload("vit_b_16")
     with torch.device("meta"):

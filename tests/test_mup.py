@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hookbench import mup
-from hookbench.coord_check import coord_check
+from hookbench.measure.coord_check import coord_check
+from hookbench.models import mup
 
 WIDTHS = (32, 128, 512)
 BASE = 32
@@ -117,7 +117,7 @@ def test_the_coordinate_check_sees_the_old_readout_at_init(old_readout):
 def test_the_library_comparison_fails_on_the_old_readout(old_readout):
     pytest.importorskip("mup", reason="microsoft/mup is an optional peer: "
                                       "pip install -e '.[mup]'")
-    from hookbench.peers import microsoft_mup
+    from hookbench.measure.peers import microsoft_mup
 
     r = coord_check("mlp", "mup", readout_zero_init=False)
     # tests/test_mup_peer.py asserts 0.0 on today's readout; the old one is off by 4x at init.

@@ -8,8 +8,8 @@ import torch
 
 pytest.importorskip("mup", reason="microsoft/mup is an optional peer: pip install -e '.[mup]'")
 
-from hookbench.coord_check import coord_check  # noqa: E402
-from hookbench.peers import microsoft_mup  # noqa: E402
+from hookbench.measure.coord_check import coord_check  # noqa: E402
+from hookbench.measure.peers import microsoft_mup  # noqa: E402
 
 pytestmark = pytest.mark.peers
 

@@ -15,9 +15,10 @@ import importlib
 import pytest
 import torch
 
-from hookbench.parity import (AGAINST_FORLOOP, FAMILIES, IMPLEMENTATION_CASES, against_forloop,
-                              compare, missing_implementation, tolerance, trajectory)
-from hookbench.zoo import TinySpec
+from hookbench.measure.parity import (AGAINST_FORLOOP, FAMILIES, IMPLEMENTATION_CASES,
+                                      against_forloop, compare, missing_implementation, tolerance,
+                                      trajectory)
+from hookbench.models.zoo import TinySpec
 
 # Tied and frozen layers: a parameter in two modules, and parameters without a gradient, which
 # every implementation must skip alike.

@@ -13,10 +13,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hookbench import gate
-from hookbench.faults import inject
-from hookbench.memory import measure
-from hookbench.optimizer_in_backward import OptimizerInBackward
-from hookbench.parity import (
+from hookbench.measure.faults import inject
+from hookbench.measure.memory import measure
+from hookbench.measure.parity import (
     FAMILIES,
     compare,
     live_gradients,
@@ -24,8 +23,9 @@ from hookbench.parity import (
     training,
     trajectory,
 )
-from hookbench.zoo import ACTIVATIONS, BENCHMARK_MLP, TinySpec
-from hookbench.zoo import workload as zoo_workload
+from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
+from hookbench.models.zoo import ACTIVATIONS, BENCHMARK_MLP, TinySpec
+from hookbench.models.zoo import workload as zoo_workload
 
 # -- strategies ---------------------------------------------------------------------------------
 

@@ -17,8 +17,8 @@ pytest.importorskip("timm", reason="the hf extra is not installed: pip install -
 sys.path.insert(0, str(Path(__file__).parents[1] / "examples" / "hf"))
 from hfstack.workloads import GPT2, LLAMA_BF16, VIT, WORKLOADS  # noqa: E402
 
-from hookbench import workload_checks  # noqa: E402
-from hookbench.faults import inject  # noqa: E402
+from hookbench.gate import workload_checks  # noqa: E402
+from hookbench.measure.faults import inject  # noqa: E402
 
 pytestmark = pytest.mark.peers
 

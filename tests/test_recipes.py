@@ -20,11 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hookbench import Workload, activation_capture, optimizer_in_backward, workload_checks
+from hookbench import Workload
 from hookbench.cli import main
-from hookbench.faults import inject
-from hookbench.parity import (Comparison, NoiseBounds, Tolerance, compare, largest_step_per_lr,
-                              rounding_level, training, trajectory)
+from hookbench.gate import workload_checks
+from hookbench.measure.faults import inject
+from hookbench.measure.parity import (Comparison, NoiseBounds, Tolerance, compare,
+                                      largest_step_per_lr, rounding_level, training, trajectory)
+from hookbench.mechanisms import activation_capture, optimizer_in_backward
 
 
 class DropoutNet(nn.Module):
@@ -343,7 +345,7 @@ def test_report_with_a_workload_runs_its_own_rows(capsys, tmp_path, monkeypatch)
 
 def test_a_workloads_zero2_ranks_are_held_below_its_standard_step_and_fail_kept_gradients():
     from hookbench import report
-    from hookbench.memory import measure
+    from hookbench.measure.memory import measure
 
     wide = Workload("wide", model=lambda: nn.Sequential(nn.Linear(256, 256), nn.ReLU(),
                                                         nn.Linear(256, 256)),

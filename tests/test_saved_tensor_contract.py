@@ -1,4 +1,4 @@
-"""The saved-tensor-hook contract activation offload relies on (hookbench.saved_tensor_contract),
+"""The saved-tensor-hook contract activation offload relies on (hookbench.measure.saved_tensor_contract),
 and the gate's offload section, each failing under the fault it guards against."""
 
 from __future__ import annotations
@@ -7,9 +7,11 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from hookbench import baselines, gate, saved_tensor_contract
-from hookbench.hook_contract import ContractViolation
-from hookbench.faults import inject
+from hookbench import gate
+from hookbench.gate import baselines
+from hookbench.measure import saved_tensor_contract
+from hookbench.measure.faults import inject
+from hookbench.measure.hook_contract import ContractViolation
 
 
 @pytest.mark.parametrize("check", saved_tensor_contract.CHECKS, ids=lambda c: c.__name__)

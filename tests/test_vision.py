@@ -1,4 +1,4 @@
-"""hookbench.vision against torchvision 0.29: the zoo's resnet18, vit_b_16 and vit_l_16, built
+"""hookbench.models.vision against torchvision 0.29: the zoo's resnet18, vit_b_16 and vit_l_16, built
 from torch.nn, are torchvision's models in everything hookbench measures.
 
 Where torchvision imports (tests marked ``torchvision``): the same parameters, buffers and
@@ -27,11 +27,11 @@ import pytest
 import torch
 from torch import nn
 
-from hookbench import vision
+from hookbench.core.workload import Workload
 from hookbench.gate import MEMORY_STRATEGIES, ZERO2_BUCKET, ZERO2_WORLD
-from hookbench.memory import measure
-from hookbench.workload import Workload
-from hookbench.zoo import workload as zoo_workload
+from hookbench.measure.memory import measure
+from hookbench.models import vision
+from hookbench.models.zoo import workload as zoo_workload
 
 MODELS = ("resnet18", "vit_b_16", "vit_l_16")
 PARAMETER_COUNTS = {"resnet18": 11_689_512, "vit_b_16": 86_567_656, "vit_l_16": 304_326_632}
@@ -169,7 +169,7 @@ def pair():
 
 
 def TorchvisionSpec(name: str):  # noqa: N802 - reads like the zoo_workload it stands beside
-    """The zoo's workload ``name`` built by torchvision (the zoo before hookbench.vision), with
+    """The zoo's workload ``name`` built by torchvision (the zoo before hookbench.models.vision), with
     the same seeding, batches and loss."""
     return zoo_workload(name).replace(model=functools.partial(torchvision_model, name))
 
@@ -204,7 +204,7 @@ def test_layout_is_torchvisions(name):
 @pytest.mark.parametrize("name", ["resnet18", "vit_b_16"])
 def test_same_initial_values_from_the_same_seed(name):
     """Built in torchvision's order with its initialisations, so the zoo's seeded models start
-    where they started before hookbench.vision (for vit_l_16 the code path is vit_b_16's)."""
+    where they started before hookbench.models.vision (for vit_l_16 the code path is vit_b_16's)."""
     ours, theirs = (zoo_workload(name).build(), TorchvisionSpec(name).build())
     a, b = ours.state_dict(), theirs.state_dict()
     assert list(a) == list(b)
@@ -329,8 +329,8 @@ class NoTorchvision(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, NoTorchvision())
 import torch
-from hookbench.memory import measure
-from hookbench.zoo import workload as zoo_workload
+from hookbench.measure.memory import measure
+from hookbench.models.zoo import workload as zoo_workload
 
 counts = {n: sum(p.numel() for p in zoo_workload(n).build().parameters())
           for n in ("resnet18", "vit_b_16")}
@@ -449,7 +449,7 @@ def HoldingSpec() -> Workload:  # noqa: N802
 
 
 def test_memory_comparison_sees_a_tensor_held_longer():
-    """The first version of hookbench.vision had this forward: outputs, gradients and even the
+    """The first version of hookbench.models.vision had this forward: outputs, gradients and even the
     peak were torchvision's, but the allocation timeline was not. The memory tests compare the
     whole measurement, so they see it."""
     intact, holding = TinyViTSpec(), HoldingSpec()

@@ -1,5 +1,5 @@
 """hookbench.Workload: a training step as data, named by import path from a package that is
-not hookbench, checked per strategy (``hookbench.workload_checks``), recorded and gated."""
+not hookbench, checked per strategy (``hookbench.gate.workload_checks``), recorded and gated."""
 
 from __future__ import annotations
 
@@ -11,11 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from hookbench import Workload, gate, optimizer_in_backward, vision, workload_checks
+from hookbench import Workload, gate
 from hookbench.cli import main
-from hookbench.faults import inject
-from hookbench.workload import checkpointed, configured, load
-from hookbench.zoo import workload as zoo_workload
+from hookbench.core.workload import checkpointed, configured, load
+from hookbench.gate import workload_checks
+from hookbench.measure.faults import inject
+from hookbench.mechanisms import optimizer_in_backward
+from hookbench.models import vision
+from hookbench.models.zoo import workload as zoo_workload
 
 # A user's package, outside hookbench: a convolution over a sequence with a mask as a second
 # input (so inputs are a tuple), and a head tied to the input projection.

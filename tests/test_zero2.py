@@ -10,11 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hookbench import launch, zero2, zero2_runs
-from hookbench.memory import measure
-from hookbench.parity import FAMILIES, compare, parameters_only, trajectory
-from hookbench.zoo import BENCHMARK_MLP, TinySpec
-from hookbench.zoo import workload as zoo_workload
+from hookbench.core import launch
+from hookbench.measure import zero2_runs
+from hookbench.measure.memory import measure
+from hookbench.measure.parity import FAMILIES, compare, parameters_only, trajectory
+from hookbench.mechanisms import zero2
+from hookbench.models.zoo import BENCHMARK_MLP, TinySpec
+from hookbench.models.zoo import workload as zoo_workload
 
 pytestmark = pytest.mark.distributed
 

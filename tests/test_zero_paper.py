@@ -1,12 +1,12 @@
-"""The ZeRO paper's memory table, reproduced by executing a step (hookbench.zero_paper)."""
+"""The ZeRO paper's memory table, reproduced by executing a step (hookbench.measure.zero_paper)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hookbench import zero_paper
-from hookbench.faults import inject
+from hookbench.measure import zero_paper
+from hookbench.measure.faults import inject
 
 
 # A 7.5 B-parameter step per row on fake tensors (~30 s in all): the slow tier.

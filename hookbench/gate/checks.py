@@ -2,7 +2,7 @@
 
 A ``Section`` is a titled list of rows (what was checked, the verdict); a row is PASS, FAILED
 or SKIPPED, and SKIPPED only for a declared optional prerequisite that is absent
-(``hookbench.prerequisites``). ``contract_section`` runs the hook contract;
+(``hookbench.core.prerequisites``). ``contract_section`` runs the hook contract;
 ``optimizer_in_backward_section`` compares the optimizer in backward with ``optimizer.step()``
 for every optimizer family on ``REPORT_SPEC``, live.
 """
@@ -16,10 +16,10 @@ from typing import Any, Callable
 
 import torch
 
-from hookbench import hook_contract
-from hookbench.parity import FAMILIES, compare, live_gradients, tolerance, trajectory
-from hookbench.prerequisites import MissingPrerequisite, attempt
-from hookbench.zoo import TinySpec
+from hookbench.core.prerequisites import MissingPrerequisite, attempt
+from hookbench.measure import hook_contract
+from hookbench.measure.parity import FAMILIES, compare, live_gradients, tolerance, trajectory
+from hookbench.models.zoo import TinySpec
 
 __all__ = ["ACCUMULATION", "REPORT_SPEC", "STEPS", "Section", "Verdict", "contract_section",
            "optimizer_in_backward_section"]
@@ -27,7 +27,7 @@ __all__ = ["ACCUMULATION", "REPORT_SPEC", "STEPS", "Section", "Verdict", "contra
 
 class Verdict(enum.Enum):
     """A row's verdict. SKIPPED only for a declared optional prerequisite that is absent
-    (``hookbench.prerequisites``); a row is falsy only when it FAILED."""
+    (``hookbench.core.prerequisites``); a row is falsy only when it FAILED."""
 
     PASS = "pass"
     FAIL = "fail"

@@ -63,7 +63,7 @@ _FP16_ADVICE = (
     "before any parameter is stepped, to skip the step when one is inf/NaN; with the optimizer "
     "in backward each parameter is stepped as soon as its own gradient is ready. Use bfloat16 "
     "(autocast(dtype=torch.bfloat16) needs no loss scaling), or a standard optimizer.step() "
-    "with GradScaler, or hookbench.zero2.Zero2, which supports GradScaler."
+    "with GradScaler, or hookbench.mechanisms.zero2.Zero2, which supports GradScaler."
 )
 _REENTRANT_ADVICE = (
     "the model's output depends on torch.utils.checkpoint with use_reentrant=True: its nested "

@@ -8,13 +8,13 @@
     numerics       per short deterministic trajectory: a SHA-256 of every step's parameters and
                    optimizer state, bit for bit, and the final parameters as numbers
     collectives    per world size, collective and ReduceOp: "ok", "unsupported: ..." or
-                   "WRONG: ..." against a hand computation (``hookbench.collectives``)
+                   "WRONG: ..." against a hand computation (``hookbench.gate.collectives``)
     checkpoints    per optimizer family and variant: the schema of the checkpoint file (kept
                    in checkpoints/ beside this file), the schema of the state saved again after
-                   resuming, and the continuation's checksum (``hookbench.checkpoints``)
+                   resuming, and the continuation's checksum (``hookbench.gate.checkpoints``)
     compile        per backend and check: None where a compiled model's hooks behave as in
-                   eager, else the difference (``hookbench.compiled_hooks``)
-    warnings       per mechanism's run: the warnings it emitted (``hookbench.emitted_warnings``)
+                   eager, else the difference (``hookbench.gate.compiled_hooks``)
+    warnings       per mechanism's run: the warnings it emitted (``hookbench.gate.emitted_warnings``)
     memory         per model/strategy: the fake backend's peak, its breakdown by category and
                    the most gradient bytes alive at once
     time           ratios of step times measured on the recording machine
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from hookbench.parity import Snapshot
+from hookbench.measure.parity import Snapshot
 
 __all__ = ["DEFAULT", "checkpoint_folder", "environment", "fingerprint", "final_parameters",
            "load", "save"]

@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Sequence
 
-from hookbench.coord_check import QUANTITIES, CoordCheck
-from hookbench.memory import CATEGORIES, MemoryResult, byte_unit, format_bytes
-from hookbench.zero_paper import Row, paper_bytes
+from hookbench.measure.coord_check import QUANTITIES, CoordCheck
+from hookbench.measure.memory import CATEGORIES, MemoryResult, byte_unit, format_bytes
+from hookbench.measure.zero_paper import Row, paper_bytes
 
 __all__ = ["coord_check", "memory_timeline", "zero_paper"]
 

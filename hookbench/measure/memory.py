@@ -41,10 +41,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from hookbench import parity
-from hookbench.activation_offload import copying_to_host
-from hookbench.optimizer_in_backward import size_buckets
-from hookbench.workload import of, to_device
+from hookbench.core.workload import of, to_device
+from hookbench.measure import parity
+from hookbench.mechanisms.activation_offload import copying_to_host
+from hookbench.mechanisms.optimizer_in_backward import size_buckets
 
 __all__ = ["BACKENDS", "CATEGORIES", "MemoryResult", "StorageTracker", "byte_unit",
            "format_bytes", "measure", "table_unit"]
@@ -280,7 +280,7 @@ def measure(
     leaves fp16's GradScaler out (its unscale works in place; its inf check reads a value,
     which fake tensors do not have).
 
-    ``strategy`` is one of ``hookbench.parity.STRATEGIES`` except ``peer``. For ``zero2``
+    ``strategy`` is one of ``hookbench.measure.parity.STRATEGIES`` except ``peer``. For ``zero2``
     the step runs in the current process group, or, where none is initialized, as rank 0 of
     ``world_size`` ranks in a fake process group whose collectives move no data: one process
     simulates any number of ranks (with the fake backend, any model size); ``rank`` picks which
@@ -464,7 +464,7 @@ def _materialize(model: nn.Module) -> None:
     """Give a meta-device model fake CPU parameters and buffers (inside FakeTensorMode).
 
     Building under FakeTensorMode directly fails: the ViT init (torchvision's, and so
-    hookbench.vision's) calls trunc_normal_, which loops on data. Initial values do not affect
+    hookbench.models.vision's) calls trunc_normal_, which loops on data. Initial values do not affect
     memory, so empty tensors do.
     """
     new: dict[int, nn.Parameter] = {}

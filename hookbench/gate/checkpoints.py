@@ -8,7 +8,7 @@ with a new ``decoupled_weight_decay`` group key (#143710). PyTorch's own anchor 
 ``test_can_load_older_state_dict`` in test/test_optim.py.
 
 ``write(directory)`` trains ``SPEC`` (tied and frozen layers) for ``WRITTEN_AFTER`` steps with
-every optimizer family of ``hookbench.parity.FAMILIES`` under every variant, and saves model
+every optimizer family of ``hookbench.measure.parity.FAMILIES`` under every variant, and saves model
 and optimizer ``state_dict``s with ``torch.save``:
 
     standard        torch.optim.<family>(model.parameters(), foreach=False)
@@ -34,15 +34,15 @@ from typing import Any
 
 import torch
 
-from hookbench import launch
-from hookbench.baselines import fingerprint
-from hookbench.faults import inject
-from hookbench.optimizer_in_backward import OptimizerInBackward
-from hookbench.parity import FAMILIES, Snapshot
-from hookbench.prerequisites import attempt
-from hookbench.zero2 import Zero2
-from hookbench.zero2_runs import local_batch
-from hookbench.zoo import TinySpec
+from hookbench.core import launch
+from hookbench.core.prerequisites import attempt
+from hookbench.gate.baselines import fingerprint
+from hookbench.measure.faults import inject
+from hookbench.measure.parity import FAMILIES, Snapshot
+from hookbench.measure.zero2_runs import local_batch
+from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
+from hookbench.mechanisms.zero2 import Zero2
+from hookbench.models.zoo import TinySpec
 
 __all__ = ["CONTINUED", "SPEC", "VARIANTS", "WRITTEN_AFTER", "resume", "schema", "write"]
 
@@ -199,7 +199,7 @@ def resume(directory: str | Path, families: tuple[str, ...] = tuple(FAMILIES),
            fault: str | None = None, ranks: bool = True) -> dict[str, Any]:
     """For each ``family/variant``: the schema of the saved file, the schema of the state saved
     again after resuming, and the fingerprint of the continuation (or ``{"error": ...}``).
-    ``fault``: a ``hookbench.faults`` fault to inject in the ranks (the caller injects it in
+    ``fault``: a ``hookbench.measure.faults`` fault to inject in the ranks (the caller injects it in
     this process). ``ranks=False`` leaves out the ZeRO-2 sharded rows (no ranks started)."""
     directory = Path(directory)
     out = {f"{family}/{variant}": attempt(lambda: _resume_one(directory, family, variant))

@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hookbench import mup
-from hookbench.activation_capture import ActivationCapture, statistics
+from hookbench.mechanisms.activation_capture import ActivationCapture, statistics
+from hookbench.models import mup
 
 __all__ = ["QUANTITIES", "CoordCheck", "coord_check", "data", "loss"]
 

@@ -1,13 +1,13 @@
-"""DeepSpeed ZeRO stage 2 as a peer of hookbench's ZeRO-2 (``hookbench.zero2.Zero2``), in fp32
+"""DeepSpeed ZeRO stage 2 as a peer of hookbench's ZeRO-2 (``hookbench.mechanisms.zero2.Zero2``), in fp32
 and in bf16 mixed precision.
 
-What ``hookbench.zero2`` re-implements is DeepSpeed's own design (flat buffers cut into N
+What ``hookbench.mechanisms.zero2`` re-implements is DeepSpeed's own design (flat buffers cut into N
 pieces, per-parameter post-accumulate-grad hooks filling buckets, each rank keeping its slice,
 an all-gather after the step), so DeepSpeed itself is the natural reference: the same model,
 batches, optimizer and bucket size trained both ways must give the same parameters, and the
 two memory footprints can be measured side by side with the same tracker.
 
-Run on every rank through ``hookbench.launch.run`` (gloo on CPU). DeepSpeed is initialised on
+Run on every rank through ``hookbench.core.launch.run`` (gloo on CPU). DeepSpeed is initialised on
 the process group that ``launch`` already set up (``deepspeed.initialize`` finds
 torch.distributed initialised and wraps it), with ``DS_ACCELERATOR=cpu``, stage 2, fp32,
 ``gradient_clipping`` set explicitly (its config default is 1.0), ``reduce_bucket_size`` and
@@ -29,7 +29,7 @@ does that DeepSpeed does not are done here on its side:
   with DeepSpeed's own ``deepspeed.utils.safe_set_full_fp32_param`` after
   ``deepspeed.initialize``; ``masters="bf16"`` leaves DeepSpeed's;
 * DeepSpeed's engine does not cast the inputs; a forward pre-hook casts the model's floating
-  inputs to bf16, as Zero2's does (``hookbench.zero2._cast_inputs``).
+  inputs to bf16, as Zero2's does (``hookbench.mechanisms.zero2._cast_inputs``).
 
     trajectory          DeepSpeed: the full parameters after every optimizer step
     zero2_trajectory    hookbench's Zero2 on the same terms, with optional global-norm clipping
@@ -44,7 +44,7 @@ does that DeepSpeed does not are done here on its side:
                         pytest-benchmark, beside the same for Zero2)
 
 Needs the ``peers`` extra (``pip install -e '.[peers]'``, i.e. deepspeed); without it, every
-entry point raises ``hookbench.prerequisites.MissingPrerequisite``. The module itself imports
+entry point raises ``hookbench.core.prerequisites.MissingPrerequisite``. The module itself imports
 without deepspeed.
 """
 
@@ -59,12 +59,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hookbench import zero2_runs
-from hookbench.memory import StorageTracker
-from hookbench.parity import Tolerance, compare
-from hookbench.prerequisites import MissingPrerequisite
-from hookbench.workload import of
-from hookbench.zero2 import Zero2, _cast_inputs
+from hookbench.core.prerequisites import MissingPrerequisite
+from hookbench.core.workload import of
+from hookbench.measure import zero2_runs
+from hookbench.measure.memory import StorageTracker
+from hookbench.measure.parity import Tolerance, compare
+from hookbench.mechanisms.zero2 import Zero2, _cast_inputs
 
 __all__ = ["MISSING", "Lockstep", "bf16_valued", "config", "differences", "engine", "follow",
            "master_differences", "memory_cases", "peer_cases", "rank_memory", "step_times",
@@ -238,7 +238,7 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                bucket_numel: int, steps: int = 5, accumulation: int = 1,
                clipping: float = 0.0, masters: str = "original") -> dict[str, Any]:
     """Train ``spec`` with DeepSpeed ZeRO-2 on this rank's share of each global batch, as
-    ``hookbench.zero2_runs.trajectory`` trains it with Zero2: ``{"snapshots": [the full
+    ``hookbench.measure.zero2_runs.trajectory`` trains it with Zero2: ``{"snapshots": [the full
     parameters after every step, by model.named_parameters() name]}``; also the global gradient
     norm DeepSpeed saw at each step. In mixed precision also ``"masters"``: this rank's fp32
     partition after every step, per param group as (start in the flat buffer, the real
@@ -333,7 +333,7 @@ def differences(ours: dict[str, Any], theirs: dict[str, Any],
     """The parity check: what differs between two trajectories (``{"snapshots": [...]}``,
     hookbench's first): an error hookbench's side returned, a different number of steps or
     set of parameters, and every (step, parameter) whose tensors are not ``torch.equal``, or,
-    with ``tolerance``, the first outside it (``hookbench.parity.compare``). Where either holds
+    with ``tolerance``, the first outside it (``hookbench.measure.parity.compare``). Where either holds
     ``"initial_masters"`` (mixed precision, on one rank), also ``master_differences``: the
     fp32 masters are compared bit for bit, with or without ``tolerance``. Empty: equal."""
     problems = [f"hookbench: {ours['error']}"] if ours.get("error") else []
@@ -404,7 +404,7 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 
 
 class _Tracker(StorageTracker):
-    """``hookbench.memory``'s tracker, except that a meta tensor is not counted: it has a size
+    """``hookbench.measure.memory``'s tracker, except that a meta tensor is not counted: it has a size
     but no memory. DeepSpeed keeps one per parameter (``round_robin_bit16_meta``, for the
     shapes, from ``torch.zeros_like(param, device="meta")``), which the tracker would otherwise
     count as a parameter-sized temporary (12 MB of phantom memory on the 3M MLP in fp32)."""
@@ -416,13 +416,13 @@ class _Tracker(StorageTracker):
 
 def _deepspeed_memory(spec: Any, optimizer_class: type, kwargs: dict, bucket_numel: int,
                       warmup: int, round_to: int) -> dict[str, Any]:
-    """One DeepSpeed step measured as ``hookbench.memory.measure`` measures one of hookbench's
+    """One DeepSpeed step measured as ``hookbench.measure.memory.measure`` measures one of hookbench's
     strategies: ``StorageTracker`` on real CPU tensors (meta tensors not counted: ``_Tracker``),
     ``warmup`` steps, then the peak of one step by category. The tracker is on before
     ``deepspeed.initialize``, so that what the engine allocates there (its flat parameter
     buffer, the fp32 partition) is seen.
 
-    Categories, assigned as in ``hookbench.memory``: parameters (the model's parameters: views
+    Categories, assigned as in ``hookbench.measure.memory``: parameters (the model's parameters: views
     of DeepSpeed's flat buffer, counted once), gradients (``param.grad`` of the model, the
     contiguous ``grads_in_partition``, ``averaged_gradients``, the fp32 partition's ``.grad``),
     optimizer state (the client optimizer's state, and the fp32 copy of this rank's partition
@@ -509,10 +509,10 @@ def rank_memory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs:
                 bucket_numel: int, warmup: int = 1, round_to: int = 512) -> dict[str, Any]:
     """This rank's peak for one step of ``spec``, by category, for both on the same terms:
     ``{"hookbench": ..., "deepspeed": ...}``, each ``{"peak", "breakdown", "peak_phase"}`` in
-    bytes. hookbench's is ``hookbench.memory.measure(spec, "zero2", backend="eager")`` in this
+    bytes. hookbench's is ``hookbench.measure.memory.measure(spec, "zero2", backend="eager")`` in this
     process group (the measurement ``zero2_runs.rank_memory`` and the report make);
     DeepSpeed's is the same tracker and protocol around its engine (``_deepspeed_memory``)."""
-    from hookbench.memory import measure
+    from hookbench.measure.memory import measure
 
     _deepspeed()  # refuse before measuring anything
     ours = measure(spec, "zero2", optimizer_class=optimizer_class, backend="eager",

@@ -3,7 +3,7 @@ a training step, not by its formula.
 
 A GPT-like model of 7.5 B parameters (``GPT_7_5B``: 36 pre-norm layers of width 4096) takes one
 mixed-precision step (bf16 parameters and gradients, fp32 masters and Adam state: the paper's
-K = 12) as rank 0 of N ranks, on fake tensors and a fake process group (``hookbench.memory``'s
+K = 12) as rank 0 of N ranks, on fake tensors and a fake process group (``hookbench.measure.memory``'s
 fake backend: no data, so the step needs seconds and little real memory). What is live when
 backward has ended is the paper's model state, per category:
 
@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hookbench.memory import measure
-from hookbench.workload import Workload
-from hookbench.zoo import TinyTransformer
+from hookbench.core.workload import Workload
+from hookbench.measure.memory import measure
+from hookbench.models.zoo import TinyTransformer
 
 __all__ = ["AGREEMENT", "GPT_7_5B", "PAPER", "WORLDS", "Row", "paper_bytes", "table"]
 

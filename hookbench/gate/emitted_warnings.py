@@ -23,17 +23,17 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from hookbench.activation_capture import ActivationCapture
-from hookbench.optimizer_in_backward import OptimizerInBackward
-from hookbench.prerequisites import attempt
-from hookbench.zero2 import Zero2
-from hookbench.zoo import TinySpec
+from hookbench.core.prerequisites import attempt
+from hookbench.mechanisms.activation_capture import ActivationCapture
+from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
+from hookbench.mechanisms.zero2 import Zero2
+from hookbench.models.zoo import TinySpec
 
 __all__ = ["RUNS", "describe", "run_all"]
 
 SPEC = TinySpec(depth=3, width=8, tied=True, frozen=True)
 _NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?(?:e[-+]?\d+)?")
-_ROOTS = [Path(torch.__file__).parent.parent, Path(__file__).parent.parent]
+_ROOTS = [Path(torch.__file__).parent.parent, Path(__file__).parents[2]]
 
 
 def describe(w: warnings.WarningMessage) -> str:

@@ -1,7 +1,7 @@
 """torchvision's resnet18, vit_b_16 and vit_l_16, rebuilt from ``torch.nn`` alone.
 
 A new PyTorch release usually ships before a torchvision built against it, and the zoo
-(``hookbench.zoo.ZOO``) and the upgrade gate's memory rows must not wait for it. These builders
+(``hookbench.models.zoo.ZOO``) and the upgrade gate's memory rows must not wait for it. These builders
 give the same models without importing torchvision, identical to torchvision 0.29's: the same
 parameters and buffers (names, shapes, dtypes, order), the same submodule names and ``torch.nn``
 layers with the same settings, the same forward op for op with the same tensor lifetimes (so a

@@ -14,7 +14,7 @@ Strategies:
     in_backward_bucketed         OptimizerInBackward(bucket_cap_mb=25), foreach in each bucket
                                  (or the kwargs' foreach=False / fused=True)
     peer                         torch.distributed.optim._apply_optimizer_in_backward (k=1 only)
-    zero2                        hookbench.zero2.Zero2 (needs an initialized process group)
+    zero2                        hookbench.mechanisms.zero2.Zero2 (needs an initialized process group)
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Any, Callable, Iterator, NamedTuple
 import torch
 from torch.utils._pytree import tree_map
 
-from hookbench.optimizer_in_backward import OptimizerInBackward
-from hookbench.zero2 import Zero2
-from hookbench.workload import Workload, of, to_device
-from hookbench.zoo import TinySpec
+from hookbench.core.workload import Workload, of, to_device
+from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
+from hookbench.mechanisms.zero2 import Zero2
+from hookbench.models.zoo import TinySpec
 
 __all__ = [
     "AGAINST_FORLOOP",

@@ -43,13 +43,14 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from hookbench import launch, zero2_runs
-from hookbench.baselines import fingerprint
-from hookbench.memory import measure
-from hookbench.parity import (NoiseBounds, Tolerance, compare, parameters_only,
-                              rounding_level, tolerance, training, trajectory)
-from hookbench.prerequisites import attempt
-from hookbench.workload import Workload
+from hookbench.core import launch
+from hookbench.core.prerequisites import attempt
+from hookbench.core.workload import Workload
+from hookbench.gate.baselines import fingerprint
+from hookbench.measure import zero2_runs
+from hookbench.measure.memory import measure
+from hookbench.measure.parity import (NoiseBounds, Tolerance, compare, parameters_only,
+                                      rounding_level, tolerance, training, trajectory)
 
 __all__ = ["MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS", "bucket", "capture",
            "measure_all", "memory", "refusal", "refused_words", "trajectories", "zero2"]
@@ -212,7 +213,7 @@ def zero2(workloads: list[Workload], fault: str | None = None,
 def capture(workload: Workload) -> dict[str, dict[str, Any]]:
     """``ActivationCapture`` (statistics of every submodule's output) on one training forward
     and backward of batch 0, against the same step without it (``capture`` row)."""
-    from hookbench.activation_capture import ActivationCapture
+    from hookbench.mechanisms.activation_capture import ActivationCapture
 
     def run() -> dict[str, Any]:
         x, y = workload.data(0)

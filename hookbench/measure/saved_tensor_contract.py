@@ -1,4 +1,4 @@
-"""The saved-tensor-hook behaviours that activation offload (``hookbench.activation_offload``)
+"""The saved-tensor-hook behaviours that activation offload (``hookbench.mechanisms.activation_offload``)
 relies on, as checks, and the gate's offload rows.
 
 Each check builds a tiny graph under ``torch.autograd.graph.saved_tensors_hooks`` and raises
@@ -20,15 +20,15 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd.graph import disable_saved_tensors_hooks, saved_tensors_hooks
 from torch.utils.checkpoint import checkpoint
 
-from hookbench import hook_contract
-from hookbench.activation_offload import ActivationOffload
-from hookbench.hook_contract import ContractViolation, _expect
-from hookbench.memory import measure
-from hookbench.parity import compare, trajectory
-from hookbench.prerequisites import attempt
-from hookbench.workload import of
-from hookbench.zoo import TinySpec
-from hookbench.zoo import workload as zoo_workload
+from hookbench.core.prerequisites import attempt
+from hookbench.core.workload import of
+from hookbench.measure import hook_contract
+from hookbench.measure.hook_contract import ContractViolation, _expect
+from hookbench.measure.memory import measure
+from hookbench.measure.parity import compare, trajectory
+from hookbench.mechanisms.activation_offload import ActivationOffload
+from hookbench.models.zoo import TinySpec
+from hookbench.models.zoo import workload as zoo_workload
 
 __all__ = ["CHECKS", "OFFLOAD_STRATEGIES", "offload_rows", "run_all"]
 
@@ -209,7 +209,7 @@ def run_all() -> dict[str, str | None]:
 PARITY_SPEC = TinySpec(depth=3, width=64, batch_size=16)
 OFFLOAD_STRATEGIES = ("forloop", "in_backward", "in_backward_grouped_foreach")
 # bfloat16 keeps 8 significant bits: half an ulp, 2**-8 of the value; int8 with a per-tensor
-# scale s = max|x| / 127: s / 2 (hookbench.activation_offload)
+# scale s = max|x| / 127: s / 2 (hookbench.mechanisms.activation_offload)
 _BOUND = {"bf16": lambda x: 2.0**-8 * x.abs(),
           "int8": lambda x: torch.full_like(x, float(x.abs().max()) / 254)}
 

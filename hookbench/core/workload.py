@@ -4,7 +4,7 @@ A ``Workload`` says what one step of a training loop is: which model, which data
 which optimizer, and the settings a real stack runs with (mixed precision, activation
 checkpointing, ``torch.compile``). The report, ``record``, ``gate``, ``capture``, the pytest
 plugin and the tests all train from it, so a user's own model is checked exactly like the zoo's,
-which is itself a set of built-in workloads (``hookbench.zoo.workload``)::
+which is itself a set of built-in workloads (``hookbench.models.zoo.workload``)::
 
     from hookbench import Workload
 
@@ -48,7 +48,7 @@ Options (one field each):
     clip_grad_norm None, or the max global gradient norm (``clip_grad_norm_`` before each
                    step) where the strategy supports it; the optimizer in backward refuses it
     offload        None; "lossless", "bf16", "int8": forward and loss under
-                   ``hookbench.activation_offload.ActivationOffload`` (saved activations in
+                   ``hookbench.mechanisms.activation_offload.ActivationOffload`` (saved activations in
                    host memory until backward; "bf16"/"int8": compressed)
     seed           the model's initialisation, the data, and the random numbers the forward
                    draws (dropout): every forward of batch ``i`` (a ZeRO-2 rank's: of its share
@@ -74,7 +74,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hookbench.activation_offload import ActivationOffload
+from hookbench.mechanisms.activation_offload import ActivationOffload
 
 __all__ = ["CHECKPOINTING", "OFFLOAD", "PRECISIONS", "Workload", "checkpointed", "configured",
            "load", "of", "to_device"]

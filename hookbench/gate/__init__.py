@@ -3,7 +3,7 @@
     hookbench record      measure everything below and write baselines/gate.json (on purpose)
     hookbench gate        measure again on the installed torch, print what changed, exit 1 when
                           a check regressed: the CI job that blocks a PyTorch upgrade
-    hookbench selfcheck   the gate under each fault of ``hookbench.faults``: every one must be
+    hookbench selfcheck   the gate under each fault of ``hookbench.measure.faults``: every one must be
                           caught and the clean run must pass, or the gate proves nothing
 
 Sections (a failed row fails the gate):
@@ -19,23 +19,23 @@ Sections (a failed row fails the gate):
     memory    per model and strategy, the fake backend's peak, each category and the gradients
               alive at once at most 1% above the stored bytes (on CUDA: the peak within 5%)
     collectives  all_reduce, reduce, reduce-scatter, all-gather and broadcast for each ReduceOp
-              on 2 and 3 gloo ranks against a hand computation (``hookbench.collectives``): an
+              on 2 and 3 gloo ranks against a hand computation (``hookbench.gate.collectives``): an
               outcome that changes fails (one that newly works passes, saying so), and a
               silently wrong result always fails
     checkpoints  the checkpoint files the baseline torch wrote (beside the baseline, in
-              checkpoints/; ``hookbench.checkpoints``), loaded and resumed: the schema of the
+              checkpoints/; ``hookbench.gate.checkpoints``), loaded and resumed: the schema of the
               file and of the state saved again after resuming as recorded, the continuation's
               checksum (or the tolerance)
     compile   hooks and mechanisms on a torch.compile'd model (eager and inductor backends,
-              compiled autograd; ``hookbench.compiled_hooks``): each outcome against eager as
+              compiled autograd; ``hookbench.gate.compiled_hooks``): each outcome against eager as
               recorded, a pinned difference included
-    warnings  the warnings each mechanism's standard run emits (``hookbench.emitted_warnings``):
+    warnings  the warnings each mechanism's standard run emits (``hookbench.gate.emitted_warnings``):
               new and vanished ones listed; they fail only with --strict-warnings
     workloads the user's own workloads (``--workload``, or ``[tool.hookbench]`` in their
-              pyproject.toml; ``hookbench.workload_checks``): each strategy's trajectory
+              pyproject.toml; ``hookbench.gate.workload_checks``): each strategy's trajectory
               against its stored checksum and live against its reference, ZeRO-2 on 2 gloo
               ranks, the fake backend's peak per strategy; a designed refusal must stay one
-    offload   activation offload through saved-tensor hooks (``hookbench.saved_tensor_contract``):
+    offload   activation offload through saved-tensor hooks (``hookbench.measure.saved_tensor_contract``):
               the saved-tensor-hook behaviours it relies on against the baseline, lossless
               offload bit for bit per strategy and each compression within its bound live,
               and the transformer's in-backward step with offload (device and host peak)
@@ -53,20 +53,21 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hookbench import (baselines, checkpoints, checks, collectives, compiled_hooks,
-                       emitted_warnings, hook_contract, launch, saved_tensor_contract,
-                       workload_checks, zero2_runs)
-from hookbench.activation_capture import ActivationCapture
-from hookbench.faults import FAULTS, inject
-from hookbench.memory import CATEGORIES, format_bytes, measure
-from hookbench.prerequisites import attempt
-from hookbench.parity import (AGAINST_FORLOOP, FAMILIES, IMPLEMENTATION_CASES, Tolerance,
-                              against_forloop, compare, missing_implementation, parameters_only,
-                              tolerance, training, trajectory)
-from hookbench.checks import ACCUMULATION, REPORT_SPEC, STEPS, Section
-from hookbench.workload import Workload
-from hookbench.zoo import BENCHMARK_MLP, TinySpec
-from hookbench.zoo import workload as zoo_workload
+from hookbench.core import launch
+from hookbench.core.prerequisites import attempt
+from hookbench.core.workload import Workload
+from hookbench.gate import (baselines, checkpoints, checks, collectives, compiled_hooks,
+                            emitted_warnings, workload_checks)
+from hookbench.gate.checks import ACCUMULATION, REPORT_SPEC, STEPS, Section
+from hookbench.measure import hook_contract, saved_tensor_contract, zero2_runs
+from hookbench.measure.faults import FAULTS, inject
+from hookbench.measure.memory import CATEGORIES, format_bytes, measure
+from hookbench.measure.parity import (AGAINST_FORLOOP, FAMILIES, IMPLEMENTATION_CASES, Tolerance,
+                                      against_forloop, compare, missing_implementation,
+                                      parameters_only, tolerance, training, trajectory)
+from hookbench.mechanisms.activation_capture import ActivationCapture
+from hookbench.models.zoo import BENCHMARK_MLP, TinySpec
+from hookbench.models.zoo import workload as zoo_workload
 
 __all__ = ["MODELS", "SECTIONS", "WORKLOAD_SECTIONS", "check", "measure_all", "record",
            "selfcheck"]
@@ -74,7 +75,7 @@ __all__ = ["MODELS", "SECTIONS", "WORKLOAD_SECTIONS", "check", "measure_all", "r
 SECTIONS = ("hooks", "parity", "numerics", "zero2", "collectives", "checkpoints", "compile",
             "warnings", "memory", "offload", "workloads", "time")
 # What a gate of the user's own workloads runs by default: the hook contract (torch's own
-# behaviour) and the workloads' rows (``hookbench.workload_checks``).
+# behaviour) and the workloads' rows (``hookbench.gate.workload_checks``).
 WORKLOAD_SECTIONS = ("hooks", "workloads")
 MODELS = ("transformer", "resnet18", "vit_b_16")  # the gate's default
 RECORD_MODELS = (*MODELS, "vit_l_16")  # recorded, so that --models vit_l_16 can be gated

@@ -180,7 +180,7 @@ class Zero2:
             precision scales its own loss (``scale``).
         shard_gradients: False is ZeRO stage 1 (P_os): gradients are all-reduced and every
             rank keeps the whole gradient, only the optimizer state is sharded; for comparing
-            memory with stage 2 (``hookbench.zero_paper``).
+            memory with stage 2 (``hookbench.measure.zero_paper``).
         loss_scaling: with ``param_dtype=torch.float16`` only: ``torch.amp.GradScaler``'s
             keyword arguments (``init_scale``, ``growth_factor``, ``backoff_factor``,
             ``growth_interval``) for the dynamic loss scaling; its defaults where omitted.
@@ -244,7 +244,7 @@ class Zero2:
         self.group = process_group
         self.world = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
-        # A fake process group (hookbench.memory simulating rank 0 of N) moves no data: its
+        # A fake process group (hookbench.measure.memory simulating rank 0 of N) moves no data: its
         # other ranks are taken to do as this one does, and their state cannot be gathered.
         self.simulated = dist.get_backend(process_group) == "fake"
         # Before torch 2.11 the c10d ops have no Meta kernel, so under FakeTensorMode (the fake

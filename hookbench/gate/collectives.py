@@ -12,7 +12,7 @@ shows), and the outcome is compared with the hand computation, bit for bit:
     unsupported: .. the collective raised: the pair is not supported by this torch and backend
 
 A pair that changes outcome between torch releases is a diff for the upgrade gate; a WRONG
-outcome is never acceptable. ``matrix(rank, world, fault)`` is one rank's run (``hookbench.launch``
+outcome is never acceptable. ``matrix(rank, world, fault)`` is one rank's run (``hookbench.core.launch``
 spawns the ranks).
 """
 
@@ -97,7 +97,7 @@ def pairs() -> list[tuple[str, str | None]]:
 
 def matrix(rank: int, world: int, fault: str | None = None) -> dict[str, str]:
     """This rank's outcome for every pair: "ok", "WRONG: ..." or "unsupported: ..."."""
-    from hookbench.faults import inject
+    from hookbench.measure.faults import inject
 
     out = {}
     # Deprecation warnings (all_gather_into_tensor, reduce_scatter_tensor in torch 2.14) are
@@ -129,7 +129,7 @@ def merged(ranks: list[dict[str, str]]) -> dict[str, str]:
 
 def run_matrix(fault: str | None = None, timeout: float = 120) -> dict[str, str]:
     """The whole matrix: ``world/pair -> outcome`` for 2 and 3 gloo ranks."""
-    from hookbench import launch
+    from hookbench.core import launch
 
     out = {}
     for world in WORLDS:

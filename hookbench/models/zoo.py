@@ -3,7 +3,7 @@
 ``TinySpec`` describes a random small MLP or convnet (depth, width, activation, tied and frozen
 layers, dtype); hypothesis draws them in the property tests and ``hookbench report`` uses fixed
 ones. ``workload(name)`` builds a real model (torchvision's resnet18, vit_b_16 and vit_l_16, rebuilt
-from torch.nn by ``hookbench.vision`` so that they need no torchvision, and a small GPT-style
+from torch.nn by ``hookbench.models.vision`` so that they need no torchvision, and a small GPT-style
 transformer) for memory measurement and benchmarks. Both are ``hookbench.Workload``s
 (``TinySpec.workload()``, ``workload(name, batch_size)``), the same description a user's own
 model gets, so two strategies trained on the same one see the same batches and differ only in
@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hookbench import vision
-from hookbench.workload import Workload
+from hookbench.core.workload import Workload
+from hookbench.models import vision
 
 __all__ = ["ACTIVATIONS", "BENCHMARK_MLP", "ZOO", "TinySpec", "TinyTransformer", "workload"]
 
@@ -158,7 +158,8 @@ class TinyTransformer(nn.Module):
 
 
 # name -> (builder, input kind); images are 3x224x224 with 1000 classes. The image models are
-# torchvision's, rebuilt without it (hookbench/vision.py; tests/test_vision.py proves them equal).
+# torchvision's, rebuilt without it (hookbench/models/vision.py; tests/test_vision.py proves them
+# equal).
 ZOO = {
     "resnet18": (vision.resnet18, "image"),
     "vit_b_16": (vision.vit_b_16, "image"),

@@ -5,7 +5,7 @@ broken version while ``inject(name)`` is active and restoring it in ``finally``:
 replace ``torch.Tensor.register_post_accumulate_grad_hook``; ``removal_does_nothing`` replaces
 ``RemovableHandle.remove``; ``optimizer_arithmetic_changed`` replaces the functional Adam that
 ``Adam`` and ``AdamW`` step through; collective faults replace the reduction ZeRO-2 sends
-gradients through (``hookbench.zero2.reduce_to_owner``); ``reduce_scatter_ignores_op`` makes
+gradients through (``hookbench.mechanisms.zero2.reduce_to_owner``); ``reduce_scatter_ignores_op`` makes
 ``torch.distributed``'s reduce-scatter sum whatever op it is given; upgrade faults make a
 torch-private module unimportable, change a private API's signature (``FakeTensorMode``), or
 make the memory tracker miss allocations; checkpoint faults load ``step`` as another dtype or
@@ -28,9 +28,9 @@ from typing import Callable, Iterator
 
 import torch
 
-from hookbench import zero2
-from hookbench.activation_offload import ActivationOffload
-from hookbench.memory import StorageTracker
+from hookbench.measure.memory import StorageTracker
+from hookbench.mechanisms import zero2
+from hookbench.mechanisms.activation_offload import ActivationOffload
 
 __all__ = ["FAULTS", "HOOK_FAULTS", "inject"]
 

@@ -172,7 +172,8 @@ class ActivationOffload(saved_tensors_hooks):
 
     def _unpack(self, saved: _Saved) -> torch.Tensor:
         # Autograd checks no version counter while saved-tensor hooks are active (pinned in
-        # hookbench.hook_contract): without this, an in-place change of a kept tensor after it
+        # hookbench.measure.hook_contract): without this, an in-place change of a kept tensor after
+        # it
         # was saved would silently enter backward. torch's own words, as without hooks.
         source = saved.source()
         if source is not None and source._version != saved.version:

@@ -1,5 +1,5 @@
-"""ZeRO-2 (``hookbench.zero2``) trained on spawned ranks: what the report, the gate, the
-benchmarks and the tests run on each rank (through ``hookbench.launch``).
+"""ZeRO-2 (``hookbench.mechanisms.zero2``) trained on spawned ranks: what the report, the gate, the
+benchmarks and the tests run on each rank (through ``hookbench.core.launch``).
 
     trajectory / trajectories   train a spec with ZeRO-2 on this rank's share of each batch;
                                 the parameters after every step and what each backward left
@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from hookbench.faults import inject
-from hookbench.memory import measure
-from hookbench.parity import Tolerance, compare
-from hookbench.workload import of, to_device
-from hookbench.zero2 import Zero2
-from hookbench.zoo import TinySpec
+from hookbench.core.workload import of, to_device
+from hookbench.measure.faults import inject
+from hookbench.measure.memory import measure
+from hookbench.measure.parity import Tolerance, compare
+from hookbench.mechanisms.zero2 import Zero2
+from hookbench.models.zoo import TinySpec
 
 __all__ = ["PARITY_OPTIMIZERS", "PARITY_SPEC", "TOLERANCE", "Lockstep", "follow",
            "fsdp2_trajectory", "local_batch", "mixed_reference", "own_masters", "own_part",
@@ -78,10 +78,10 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                groups: list[tuple[list[str], dict]] | None = None,
                clipping: float = 0.0) -> dict[str, Any]:
     """Train ``spec`` with ZeRO-2 on this rank's share of each global batch (run it on every
-    rank, e.g. through ``hookbench.launch.run``). Returns the full parameters after every
+    rank, e.g. through ``hookbench.core.launch.run``). Returns the full parameters after every
     step, and what each backward left behind: gradients on the model's parameters, the shard's
     gradient size, and the hook calls per parameter. ``groups``: param groups as (parameter
-    names, options). ``fault`` names a ``hookbench.faults`` fault to inject; an error it
+    names, options). ``fault`` names a ``hookbench.measure.faults`` fault to inject; an error it
     causes is returned, not raised, so every rank finishes. ``clipping``: clip the global
     gradient norm to it before each step (``"grad_norms"``: the norms before clipping). In
     mixed precision also this rank's fp32 masters (``own_part``) before the first step
@@ -136,7 +136,7 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                     result["grad_norms"].append(float(zero.clip_grad_norm_(clipping)))
                 if scaler is None:
                     zero.step()
-                else:  # every rank skips, or takes, the step alike (hookbench.zero2)
+                else:  # every rank skips, or takes, the step alike (hookbench.mechanisms.zero2)
                     scaler.step(zero)
                     scaler.update()
                 zero.zero_grad()

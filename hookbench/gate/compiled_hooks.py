@@ -30,9 +30,9 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
 
-from hookbench import parity
-from hookbench.activation_capture import ActivationCapture
-from hookbench.zoo import TinySpec
+from hookbench.measure import parity
+from hookbench.mechanisms.activation_capture import ActivationCapture
+from hookbench.models.zoo import TinySpec
 
 __all__ = ["BACKENDS", "CHECKS", "EXPLAINED", "SPEC", "observe", "run_all"]
 

@@ -1,0 +1,1 @@
+"""The four mechanisms, one file each, importing only torch: copy one out and it works."""
