@@ -266,3 +266,18 @@ def test_a_missing_baseline_is_one_line_and_exit_2_saying_what_to_do(capsys, tmp
     assert main(["gate", "--sections", "hooks"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "run hookbench from the checkout's root" in err[0]
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["gate", "--help"], ["report", "--batch-size", "0"],
+                                  ["gate", "--fault", "nope"]])
+def test_help_and_bad_arguments_answer_before_torch_is_imported(argv):
+    # `hookbench --help` took 5-6 s when the parser imported torch first (2 loaded cores); it
+    # now parses from hookbench.core.names and imports the subcommands only to run one.
+    code = ("import sys; from hookbench.cli import main\n"
+            f"try:\n    main({argv!r})\nexcept SystemExit as e:\n    code = e.code\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\nsys.exit(code)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == (0 if argv[-1] == "--help" else 2), proc.stderr[-2000:]
+    assert ("usage: hookbench" in proc.stdout if argv[-1] == "--help"
+            else len(proc.stderr.strip().splitlines()) == 1)

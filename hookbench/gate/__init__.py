@@ -53,7 +53,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hookbench.core import launch
+from hookbench.core import launch, names
 from hookbench.core.prerequisites import attempt
 from hookbench.core.workload import Workload
 from hookbench.gate import (baselines, checkpoints, checks, collectives, compiled_hooks,
@@ -72,13 +72,10 @@ from hookbench.models.zoo import workload as zoo_workload
 __all__ = ["MODELS", "SECTIONS", "WORKLOAD_SECTIONS", "check", "measure_all", "record",
            "selfcheck"]
 
-SECTIONS = ("hooks", "parity", "numerics", "zero2", "collectives", "checkpoints", "compile",
-            "warnings", "memory", "offload", "workloads", "time")
-# What a gate of the user's own workloads runs by default: the hook contract (torch's own
-# behaviour) and the workloads' rows (``hookbench.gate.workload_checks``).
-WORKLOAD_SECTIONS = ("hooks", "workloads")
-MODELS = ("transformer", "resnet18", "vit_b_16")  # the gate's default
-RECORD_MODELS = (*MODELS, "vit_l_16")  # recorded, so that --models vit_l_16 can be gated
+SECTIONS = names.GATE_SECTIONS
+WORKLOAD_SECTIONS = names.GATE_WORKLOAD_SECTIONS  # the hook contract and the workloads' rows
+MODELS = names.GATE_MODELS  # the gate's default
+RECORD_MODELS = names.GATE_RECORD_MODELS  # recorded, so that --models vit_l_16 can be gated
 MEMORY_STRATEGIES = ("foreach", "forloop", "in_backward", "in_backward_grouped_foreach", "zero2")
 ZERO2_WORLD, ZERO2_BUCKET = 8, 2**22  # memory: rank 0 of 8 simulated ranks, 16 MB buckets
 TRAJECTORY_STRATEGIES = ("forloop", "foreach", "in_backward", "in_backward_grouped_foreach")
@@ -93,7 +90,7 @@ CUDA_SLACK = 0.05
 # clear of that noise and still catches a step that doubles; on a quiet, dedicated runner pass
 # a tighter --time-slack. Fine time gating belongs to pytest-benchmark on one machine
 # (--benchmark-compare-fail).
-TIME_SLACK = 0.50
+TIME_SLACK = names.GATE_TIME_SLACK
 # A whole training step (forward, backward, step; Adam, batch 2) per optimizer implementation:
 # each mode of the optimizer in backward that has the implementation against the standard step
 # of the same implementation (``whole_step``). One parameter per step has no foreach form: a

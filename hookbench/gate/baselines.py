@@ -36,12 +36,13 @@ from typing import Any
 
 import torch
 
+from hookbench.core import names
 from hookbench.measure.parity import Snapshot
 
 __all__ = ["DEFAULT", "checkpoint_folder", "environment", "fingerprint", "final_parameters",
            "load", "save"]
 
-DEFAULT = Path("baselines") / "gate.json"  # relative to the checkout, where hookbench is run
+DEFAULT = Path(names.BASELINE)  # relative to the checkout, where hookbench is run
 
 
 def checkpoint_folder(baseline: str | Path = DEFAULT) -> Path:

@@ -28,6 +28,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from hookbench.core import names
 from hookbench.measure.memory import StorageTracker
 from hookbench.mechanisms import zero2
 from hookbench.mechanisms.activation_offload import ActivationOffload
@@ -390,6 +391,7 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "offload_keeps_device_copy": (_offloading, _keeps_device_copies),
     "compression_on_exact_tensor": (_compression, _compresses_exact_tensors),
 }
+assert tuple(FAULTS) == names.FAULTS, "hookbench.core.names.FAULTS lists the faults"
 HOOK_FAULTS = [name for name, fault in FAULTS.items()
                if isinstance(fault, tuple) and fault[0] is _hook_registration]
 

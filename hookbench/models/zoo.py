@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hookbench.core import names
 from hookbench.core.workload import Workload
 from hookbench.models import vision
 
@@ -166,6 +167,7 @@ ZOO = {
     "vit_l_16": (vision.vit_l_16, "image"),
     "transformer": (TinyTransformer, "tokens"),
 }
+assert tuple(sorted(ZOO)) == names.ZOO, "hookbench.core.names.ZOO lists the zoo's models"
 
 
 def workload(name: str, batch_size: int = 1, seed: int = 0) -> Workload:
