@@ -1,63 +1,24 @@
-"""Sharded gradient release: ZeRO stage 2 as DeepSpeed does it, small enough to read at once.
+"""Sharded gradient release: ZeRO stage 2 as DeepSpeed does it, one file that imports only torch.
 
-With N data-parallel ranks:
+With N data-parallel ranks, each rank keeps all parameters, but the gradients and the optimizer
+state of only its 1/N of them: each param group is flattened into one buffer cut into N
+pieces, a post-accumulate-grad hook per parameter moves its gradient into a bucket and frees
+``param.grad`` at once, each full bucket is reduced to the ranks that own it while backward is
+still running, ``step()`` updates the owned pieces and an all-gather rebuilds the parameters::
 
-* each param group is flattened into one buffer (the model's parameters become views into it),
-  padded to a multiple of N and cut into N contiguous pieces; rank r owns piece r, so a
-  parameter may straddle two ranks. The optimizer runs on this rank's pieces of the parameters
-  (one 1-D view per parameter piece), so it holds state for 1/N of the model;
-* during backward a post-accumulate-grad hook per parameter copies its gradient into its bucket
-  and frees ``param.grad`` at once. Buckets are fixed at construction (parameters in reverse
-  registration order, backward's order for most models, up to ``bucket_numel`` elements each)
-  and reduced strictly in that order, each as soon as it is complete and every earlier one is
-  reduced; whatever is left is reduced when backward ends (a callback queued on the autograd
-  engine, as DeepSpeed does). The schedule is the same on every rank whichever parameters got
-  a gradient: a rank that did not use a parameter sends zeros for it at the end of its
-  backward, and the ranks that did wait for it there (as DDP does). A bucket is laid out owner
-  by owner, and each owner's region is reduced to it in place (one ``dist.reduce`` per owning
-  rank, so a bucket costs its own size and not N times it; no concatenated copy) and averaged;
-* at the end of each backward one small all-reduce tells every rank which parameters got a
-  gradient on any rank, whether any rank's shard holds an inf/NaN, and whether any rank has
-  unfrozen a parameter that was frozen at construction (not sharded, so ``step()`` refuses on
-  every rank, before anything changes: build a new Zero2). A parameter that got none anywhere
-  keeps ``grad=None`` on its pieces, so the optimizer leaves it and its state untouched, as a
-  standard ``optimizer.step()`` does (DeepSpeed instead zero-fills and moves it). A non-finite
-  gradient on any rank makes every rank's shard gradient NaN, so a ``torch.amp.GradScaler``
-  skips the step on every rank alike, and updates its scale alike;
-* ``step()`` updates the owned pieces, then an all-gather rebuilds the full flat buffer on every
-  rank. Micro-batches accumulate into the shard's gradient; call ``step()`` after the last of
-  them, then ``zero_grad()``, as with a standard optimizer. ``clip_grad_norm_`` clips by the
-  global norm over every rank's shard (an all-reduce), as ``torch.nn.utils.clip_grad_norm_``
-  would over the full gradients.
+    zero = Zero2(model, torch.optim.AdamW, lr=1e-3)    # after dist.init_process_group
+    for batch in data:
+        loss_fn(model(batch)).backward()
+        zero.step()
+        zero.zero_grad()
 
-The optimizer must update each element from that element's own gradient and state alone:
-``ELEMENTWISE`` lists the torch classes that do. Anything that uses a tensor's shape or a
-per-tensor norm (Adafactor, LAMB, LARS, Muon, Shampoo) would see 1-D pieces of parameters and
-change meaning; it is refused, unless ``elementwise=True`` says the class is elementwise.
-Reentrant activation checkpointing is refused (see ``OptimizerInBackward``).
-
-Mixed precision (``param_dtype=torch.bfloat16``): the model's parameters become bf16 views
-of the flat buffer (forward, backward and the all-gather run in bf16), and each rank keeps an
-fp32 master copy of its own pieces only, taken from the parameters' original values (the
-model's floating-point inputs are cast to bf16, as FSDP2's ``MixedPrecisionPolicy`` does); the
-optimizer steps the masters, and the updated masters are rounded into the bf16 shard before
-the all-gather. Gradients are reduced, and the shard's gradient kept, in ``reduce_dtype``
-(default: ``param_dtype``, as FSDP2 and DeepSpeed do); the step converts them to fp32 one
-bucket of elements at a time, so it holds no shard-sized fp32 gradient.
-
-fp16 (``param_dtype=torch.float16``) adds dynamic loss scaling, since fp16's range would
-flush small gradients to zero: ``zero.scale(loss).backward()`` multiplies the loss by the
-current scale, ``step()`` unscales the gradients as it converts them to fp32 and, when any
-rank's reduced gradient holds an inf or NaN, skips the step on every rank and backs the scale
-off. The schedule and arithmetic are ``torch.amp.GradScaler``'s (its defaults; ``loss_scaling``
-overrides them): the same scale tensor, the gradients multiplied by its fp32 reciprocal, the
-scale halved on an overflow and doubled after 2000 steps without one. A GradScaler itself
-cannot do it: the pieces get their fp32 gradients only inside ``step()``.
-
-Per rank, fp32 Adam: parameters 4 Psi + gradient shard 4 Psi/N + Adam state 8 Psi/N, the
-ZeRO paper's 4 Psi + 12 Psi / N; bf16 with fp32 masters: 2 Psi + (2 Psi + 4 Psi + 8 Psi) / N,
-the paper's 2 Psi + 14 Psi / N (K = 12); plus activations and at most one bucket in flight.
-The gradient shard is allocated when the rank's first piece arrives.
+Per rank, fp32 Adam: 4 Psi + 12 Psi / N bytes (the ZeRO paper's), plus activations and one
+bucket; ``param_dtype=torch.bfloat16``: 2 Psi + 14 Psi / N with fp32 masters of the owned
+pieces; ``torch.float16`` adds dynamic loss scaling (``zero.scale(loss).backward()``).
+``clip_grad_norm_`` clips by the global norm. The optimizer must be elementwise
+(``ELEMENTWISE``); a shape-aware one (Adafactor, LAMB, Muon) is refused, and so are
+reentrant activation checkpointing and a parameter unfrozen after construction, on every rank
+before anything changes. How each step works, and why: docs/zero2.md, "How it works".
 """
 
 from __future__ import annotations
@@ -203,37 +164,10 @@ class Zero2:
     ) -> None:
         # Everything is validated (on every rank alike) before the model's parameters are
         # moved into the flat buffers, so a refusal leaves the model as it was.
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if not (isinstance(optimizer_class, type)
-                and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got "
-                            f"{optimizer_class!r}")
-        if optimizer_class not in ELEMENTWISE and elementwise is not True:
-            raise ValueError(
-                f"{optimizer_class.__name__} is not known to update parameters elementwise: "
-                f"ZeRO-2 steps 1-D pieces of parameters, so an update that uses a parameter's "
-                f"shape or a per-tensor norm (Adafactor, LAMB, Muon, ...) would change "
-                f"meaning. Use one of {[c.__name__ for c in ELEMENTWISE]}, or pass "
-                f"elementwise=True if every element's update reads only its own gradient and "
-                f"state")
-        if not dist.is_initialized():
-            raise ValueError("torch.distributed is not initialized: call "
-                             "dist.init_process_group first (torchrun sets the environment)")
-        if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
-            raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
+        _check_arguments(model, optimizer_class, elementwise, bucket_numel)
         self.names = {p: n for n, p in model.named_parameters()}
         groups = _groups(params, self.names)
-        for what, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-            if dtype is not None and not (isinstance(dtype, torch.dtype)
-                                          and dtype.is_floating_point):
-                raise ValueError(f"{what} must be a floating torch.dtype or None, got {dtype!r}")
-        own = {g["params"][0].dtype for g in groups}
-        if param_dtype in own:
-            param_dtype = None  # already the parameters' dtype: nothing to mix
-        if param_dtype is not None and not all(d.itemsize > param_dtype.itemsize for d in own):
-            raise ValueError(f"param_dtype {param_dtype} must be narrower than the parameters' "
-                             f"{sorted(map(str, own))}, whose values become the masters")
+        param_dtype = _mixed_dtype(groups, param_dtype, reduce_dtype)
         if not isinstance(shard_gradients, bool):
             raise TypeError(f"shard_gradients must be a bool, got {shard_gradients!r}")
         scaling = _loss_scaling(loss_scaling, param_dtype)
@@ -646,6 +580,45 @@ class Zero2:
 
 
 # torch.amp.GradScaler's defaults
+def _check_arguments(model: Any, optimizer_class: Any, elementwise: Any,
+                     bucket_numel: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not (isinstance(optimizer_class, type)
+            and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got "
+                        f"{optimizer_class!r}")
+    if optimizer_class not in ELEMENTWISE and elementwise is not True:
+        raise ValueError(
+            f"{optimizer_class.__name__} is not known to update parameters elementwise: "
+            f"ZeRO-2 steps 1-D pieces of parameters, so an update that uses a parameter's "
+            f"shape or a per-tensor norm (Adafactor, LAMB, Muon, ...) would change "
+            f"meaning. Use one of {[c.__name__ for c in ELEMENTWISE]}, or pass "
+            f"elementwise=True if every element's update reads only its own gradient and "
+            f"state")
+    if not dist.is_initialized():
+        raise ValueError("torch.distributed is not initialized: call "
+                         "dist.init_process_group first (torchrun sets the environment)")
+    if isinstance(bucket_numel, bool) or not isinstance(bucket_numel, int) or bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be a positive int, got {bucket_numel!r}")
+
+
+def _mixed_dtype(groups: list[dict[str, Any]], param_dtype: Any,
+                 reduce_dtype: Any) -> torch.dtype | None:
+    """The dtype to train the parameters in, None for their own (param_dtype already theirs)."""
+    for what, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
+        if dtype is not None and not (isinstance(dtype, torch.dtype)
+                                      and dtype.is_floating_point):
+            raise ValueError(f"{what} must be a floating torch.dtype or None, got {dtype!r}")
+    own = {g["params"][0].dtype for g in groups}
+    if param_dtype in own:
+        return None  # already the parameters' dtype: nothing to mix
+    if param_dtype is not None and not all(d.itemsize > param_dtype.itemsize for d in own):
+        raise ValueError(f"param_dtype {param_dtype} must be narrower than the parameters' "
+                         f"{sorted(map(str, own))}, whose values become the masters")
+    return param_dtype
+
+
 _LOSS_SCALING = {"init_scale": 2.0**16, "growth_factor": 2.0, "backoff_factor": 0.5,
                  "growth_interval": 2000}
 
