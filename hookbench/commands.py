@@ -118,14 +118,17 @@ def _backend(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "fake") if device == "auto" else device
 
 
-def _adds(spec: Workload, changes: dict[str, Any]) -> bool:
+def _adds(spec: Workload, changes: dict[str, Any], own: bool) -> bool:
     """Whether a saving row measures something the workload does not already do: its own
-    offload or checkpointing is in every row, and a model without a repeated block has none
-    to checkpoint."""
+    offload is in every row. Checkpointing rows are the built-in models' only, those with a
+    repeated block: a user's workload checkpoints as its recipe says (``checkpointing``), and
+    a generic checkpoint can break a library's block (GPT-2's, called with a key-value cache
+    that the recomputation extends again: its recipe turns the cache off first)."""
     if "offload" in changes and spec.offload is not None:
         return False
     if "checkpointing" in changes:
-        return spec.checkpointing == "none" and bool(checkpointed(spec.build(), "repeated"))
+        return (not own and spec.checkpointing == "none"
+                and bool(checkpointed(spec.build(), "repeated")))
     return True
 
 
@@ -155,7 +158,7 @@ def _report(args: argparse.Namespace) -> int:
         stopped: dict[str, dict[str, str]] = {}
         rows = [(s, s, {}) for s in report.MEMORY_STRATEGIES] + [
             (label, strategy, changes) for label, strategy, changes, _ in report.SAVING_ROWS
-            if _adds(spec, changes)]
+            if _adds(spec, changes, own)]
         for label, strategy, changes in rows:
             started = time.perf_counter()
             _progress(f"measuring {spec.name} batch {spec.batch_size}, {label}, "

@@ -26,7 +26,8 @@ MEMORY_STRATEGIES = ("foreach", "forloop", "fused", "in_backward", "in_backward_
                      "in_backward_bucketed")
 # What saves activation memory, beside them: (row, strategy, workload changes, the row it is
 # held against in ``memory_section``, so that a lost saving fails). Offload is
-# ``Workload.offload``; checkpoint is ``checkpointing="repeated"``, each repeated block.
+# ``Workload.offload``; checkpoint is ``checkpointing="repeated"``, each repeated block (the
+# built-in models only: a user's workload checkpoints as its recipe says).
 SAVING_ROWS = (
     ("foreach + offload", "foreach", {"offload": "lossless"}, "foreach"),
     ("in_backward + offload", "in_backward", {"offload": "lossless"}, "in_backward"),
