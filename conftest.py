@@ -40,7 +40,7 @@ import torch
 from hypothesis import HealthCheck, Phase, settings
 
 from hookbench.core.leak_guard import HookLeakGuard, HookTracker
-from hookbench.gate import WHOLE_STEP_PAIRS
+from hookbench.gate.step_time import WHOLE_STEP_PAIRS
 
 # The plugin is an entry point where hookbench is installed; a plain checkout (another torch
 # release run from the tree) loads it from here, and only then: an installed copy registered

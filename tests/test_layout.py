@@ -1,6 +1,6 @@
 """The package's shape: one folder per layer, lowest first ``mechanisms`` (each one file a user
-can copy), ``core``, ``models``, ``measure``, ``gate``, then the interface at the top (the
-command line, the report, the plugin). A module's layer is its folder, so a new module is placed
+can copy), ``core``, ``models``, ``measure``, ``gate``, then the interface: ``cli`` (a module
+per subcommand) with the package's top modules (the report, the plugin). A module's layer is its folder, so a new module is placed
 by where it is saved; imports point one way only, down, and no module imports, at load time or
 inside a function, anything that imports it back."""
 
@@ -15,15 +15,15 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hookbench"
 # The layers, lowest first: a module may import its own layer and those below, never above.
-# "" is the package's top folder, the interface.
-LAYERS = ("mechanisms", "core", "models", "measure", "gate", "")
+# The last, the interface, holds the package's top modules too.
+LAYERS = ("mechanisms", "core", "models", "measure", "gate", "cli")
 MECHANISMS = tuple(sorted(p.stem for p in (PACKAGE / "mechanisms").glob("*.py")
                           if p.stem != "__init__"))
 
 
 def _layer(module: str) -> int:
     parts = module.split(".")[1:]  # hookbench.measure.peers.x: measure
-    folder = parts[0] if len(parts) > 1 or (parts and parts[0] in LAYERS) else ""
+    folder = parts[0] if len(parts) > 1 or (parts and parts[0] in LAYERS) else LAYERS[-1]
     return LAYERS.index(folder)
 
 
@@ -98,7 +98,8 @@ def test_the_package_has_no_import_cycle():
 
 def _upward(graph: dict[str, set[str]]) -> list[str]:
     def named(module: str) -> str:
-        return f"{module} ({LAYERS[_layer(module)] or 'interface'})"
+        layer = _layer(module)
+        return f"{module} ({'interface' if layer == len(LAYERS) - 1 else LAYERS[layer]})"
 
     return sorted(f"{named(a)} imports {named(b)}" for a, imported in graph.items()
                   for b in imported if _layer(b) > _layer(a))
@@ -107,7 +108,7 @@ def _upward(graph: dict[str, set[str]]) -> list[str]:
 @pytest.mark.smoke
 def test_every_folder_is_a_layer_and_imports_point_down():
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__")
-    assert folders == sorted(LAYERS[:-1])  # a new folder is a new layer: placed on purpose
+    assert folders == sorted(LAYERS)  # a new folder is a new layer: placed on purpose
     assert MECHANISMS == ("activation_capture", "activation_offload", "optimizer_in_backward",
                           "zero2")
     assert _upward(_graph()) == []
@@ -170,3 +171,22 @@ def test_the_public_names_import_from_the_top_and_only_when_used():
         import hookbench
 
         hookbench.Zero3  # noqa: B018
+
+
+def _unmirrored(tests: Path, package: Path) -> list[str]:
+    """tests/'s folders that are no folder of the package: the tests mirror its layers."""
+    def folders(root: Path) -> set[str]:
+        return {p.relative_to(root).as_posix() for p in root.rglob("*")
+                if p.is_dir() and "__pycache__" not in p.parts}
+
+    return sorted(folders(tests) - folders(package))
+
+
+def test_the_tests_mirror_the_package(tmp_path):
+    tests = PACKAGE.parent / "tests"
+    assert _unmirrored(tests, PACKAGE) == []
+    assert {p.name for p in tests.iterdir() if p.is_dir()} >= set(LAYERS)  # every layer tested
+    # and the check sees a folder of tests that is none of the package's
+    (tmp_path / "gate").mkdir()
+    (tmp_path / "misc").mkdir()
+    assert _unmirrored(tmp_path, PACKAGE) == ["misc"]

@@ -37,14 +37,19 @@ import torch
 from hookbench.core import launch
 from hookbench.core.prerequisites import attempt
 from hookbench.gate.baselines import fingerprint
+from hookbench.gate.checks import Run, Section, trajectory_verdict
+from hookbench.measure import zero2_runs
 from hookbench.measure.faults import inject
-from hookbench.measure.parity import FAMILIES, Snapshot
+from hookbench.measure.parity import FAMILIES, Snapshot, tolerance
 from hookbench.measure.zero2_runs import local_batch
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 from hookbench.mechanisms.zero2 import Zero2
 from hookbench.models.zoo import TinySpec
 
 __all__ = ["CONTINUED", "SPEC", "VARIANTS", "WRITTEN_AFTER", "resume", "schema", "write"]
+
+# Rank processes take seconds: selfcheck runs the section clean and under its own faults.
+FAULTS = ("step_dtype_changed", "checkpoint_key_renamed")
 
 # Tied hidden layers (one parameter, two modules) and a frozen first layer (in the groups, no
 # state): the two places where a state_dict's parameter numbering can go wrong. Batch 6 splits
@@ -231,3 +236,31 @@ def _resume_zero2(rank: int, world: int, directory: str, families: tuple[str, ..
 
     with inject(fault):
         return {family: attempt(lambda: one(family)) for family in families}
+
+
+def measure(run: Run) -> dict[str, Any]:
+    """``resume``: of the files ``hookbench record`` writes first (``run.recording``)."""
+    if run.recording:
+        write(run.checkpoint_dir)
+    return resume(run.checkpoint_dir, fault=run.fault)
+
+
+def judge(base: dict, now: dict, run: Run) -> Section:
+    section = Section(f"Checkpoints written by the baseline torch, loaded and resumed for "
+                      f"{CONTINUED} steps", ("family/variant", "verdict"))
+    for key, value in now.items():
+        if section.add_stopped(value, key):
+            continue
+        rec = base.get(key)
+        if rec is None:
+            section.add(False, key, "no baseline recorded; record with `hookbench record`")
+            continue
+        problems = [f"{what} CHANGED: {'; '.join(difference(rec[part], value[part]))}"
+                    for part, what in (("schema", "file schema"),
+                                       ("resaved", "schema saved after resuming"))
+                    if rec[part] != value[part]]
+        tol = zero2_runs.TOLERANCE if "zero2" in key else tolerance("foreach", SPEC.dtype)
+        ok, continuation = trajectory_verdict(rec, value, tol, run.machine_note)
+        section.add(ok and not problems, key, "; ".join(
+            (problems or ["schema as recorded"]) + [f"continuation {continuation}"]))
+    return section

@@ -4,7 +4,9 @@ A ``Section`` is a titled list of rows (what was checked, the verdict); a row is
 or SKIPPED, and SKIPPED only for a declared optional prerequisite that is absent
 (``hookbench.core.prerequisites``). ``contract_section`` runs the hook contract;
 ``optimizer_in_backward_section`` compares the optimizer in backward with ``optimizer.step()``
-for every optimizer family on ``REPORT_SPEC``, live.
+for every optimizer family on ``REPORT_SPEC``, live. ``Run`` is what a gate section's
+``measure`` and ``judge`` are told of the run; ``contract_rows`` and ``trajectory_rows`` are the
+verdicts that several sections share.
 """
 
 from __future__ import annotations
@@ -12,17 +14,23 @@ from __future__ import annotations
 import enum
 import inspect
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
+from hookbench.core import names
 from hookbench.core.prerequisites import MissingPrerequisite, attempt
+from hookbench.core.workload import Workload
+from hookbench.gate.baselines import final_parameters
 from hookbench.measure import hook_contract
-from hookbench.measure.parity import FAMILIES, compare, live_gradients, tolerance, trajectory
+from hookbench.measure.parity import (FAMILIES, Tolerance, compare, live_gradients, tolerance,
+                                      trajectory)
 from hookbench.models.zoo import TinySpec
 
-__all__ = ["ACCUMULATION", "REPORT_SPEC", "STEPS", "Section", "Verdict", "contract_section",
-           "optimizer_in_backward_section"]
+__all__ = ["ACCUMULATION", "REPORT_SPEC", "STEPS", "Run", "Section", "Verdict", "contract_rows",
+           "contract_section", "optimizer_in_backward_section", "trajectory_rows",
+           "trajectory_verdict"]
 
 
 class Verdict(enum.Enum):
@@ -76,6 +84,69 @@ class Section:
     @property
     def skipped(self) -> int:
         return sum(verdict is Verdict.SKIPPED for _, verdict in self.rows)
+
+
+@dataclass(frozen=True)
+class Run:
+    """What a gate section's ``measure(run)`` and ``judge(base, now, run)`` are told of the run.
+
+    ``fault``: the fault injected (``hookbench.measure.faults``), for sections that run ranks and
+    inject it there; ``zero2_ranks``: the ZeRO-2 ranks' results when already run (``selfcheck``
+    runs every fault's at once); ``recording``: ``hookbench record`` is measuring, so sections
+    that write files for the gate (the checkpoints) write them first; ``machine_note``: says
+    that the baseline was recorded on another CPU, empty when not."""
+
+    fault: str | None = None
+    models: tuple[str, ...] = names.GATE_MODELS
+    device: str = "fake"
+    zero2_ranks: Any = None
+    checkpoint_dir: Path | None = None
+    workloads: tuple[Workload, ...] = ()
+    recording: bool = False
+    machine_note: str = ""
+    time_slack: float = names.GATE_TIME_SLACK
+    strict_warnings: bool = False
+
+
+def contract_rows(title: str, base: dict, now: dict) -> Section:
+    """Each named behaviour (``None``: it holds; else the error) against its recorded outcome."""
+    section = Section(title, ("check", "recorded", "verdict"))
+    for name, error in now.items():
+        recorded = base.get(name, "not recorded")
+        same = (error is None) == (recorded is None)
+        section.add(same, name, "holds" if recorded is None else "violated",
+                    ("holds" if error is None else f"VIOLATED: {error}")
+                    + ("" if same else " (changed; re-record only if intended)"))
+    return section
+
+
+def trajectory_verdict(base: dict | None, now: dict, tol: Tolerance | None,
+                       machine_note: str) -> tuple[bool, str]:
+    """A fingerprinted trajectory (``fingerprint``) against the recorded one: the
+    same checksum, or else the final parameters within ``tol``."""
+    if now.get("problems"):
+        return False, "; ".join(now["problems"])
+    if base is None or "sha256" not in base:
+        return False, "no baseline recorded; record with `hookbench record`"
+    if base["sha256"] == now["sha256"]:
+        return True, f"identical (sha256 {now['sha256'][:12]})"
+    result = compare([final_parameters(now)], [final_parameters(base)], tol)
+    # Another CPU model's kernels round reduced precision differently (bf16 autocast, Intel Xeon
+    # against AMD EPYC: 6x its tolerance after 3 steps): say so, the fix is the machine's own.
+    advice = ("; the baseline is another CPU's: record one on this machine to gate torch here"
+              if machine_note and not result.ok else "")
+    return result.ok, f"CHANGED bits{machine_note}; final parameters {result.verdict()}{advice}"
+
+
+def trajectory_rows(title: str, base: dict, now: dict, tol: Tolerance | None,
+                    machine_note: str) -> Section:
+    section = Section(title, ("trajectory", "verdict"))
+    for key, value in now.items():
+        if section.add_stopped(value, key):
+            continue
+        ok, verdict = trajectory_verdict(base.get(key), value, tol, machine_note)
+        section.add(ok, key, verdict)
+    return section
 
 
 def contract_section() -> Section:

@@ -24,7 +24,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hookbench.gate.checks import Run, Section
+
 __all__ = ["COLLECTIVES", "OPS", "WORLDS", "matrix", "merged", "pairs", "run_matrix"]
+
+# Rank processes take seconds: selfcheck runs the section clean and under its own fault.
+FAULTS = ("reduce_scatter_ignores_op",)
 
 OPS = ("SUM", "AVG", "MAX", "MIN", "PRODUCT")
 WORLDS = (2, 3)
@@ -137,3 +142,29 @@ def run_matrix(fault: str | None = None, timeout: float = 120) -> dict[str, str]
             out[f"{world} ranks/{key}"] = outcome
     return out
 
+
+def measure(run: Run) -> dict[str, str]:
+    return run_matrix(run.fault)  # the fault goes into the ranks, as for ZeRO-2
+
+
+def judge(base: dict, now: dict, run: Run) -> Section:
+    section = Section("Collectives on gloo against a hand computation and the baseline",
+                      ("ranks/collective/op", "recorded", "verdict"))
+    for key, outcome in now.items():
+        rec = base.get(key)
+        if outcome.startswith("WRONG"):  # never acceptable, whatever was recorded
+            ok, verdict = False, f"{outcome} (a silently wrong result)"
+        elif rec is None:
+            ok, verdict = False, f"{outcome}; no baseline recorded"
+        elif outcome == rec:
+            ok, verdict = True, "identical" if outcome == "ok" else f"identical: {outcome}"
+        elif outcome == "ok":
+            ok, verdict = True, f"newly supported (was {rec})"
+        else:
+            ok, verdict = False, f"CHANGED: {outcome}"
+        section.add(ok, key, rec.split(":")[0] if rec else "", verdict)
+    for key in sorted(set(base) - set(now)):  # a collective this torch does not have
+        name = key.split("/")[1]
+        section.skip(f"torch {torch.__version__} has no torch.distributed.{name}", key,
+                     base[key].split(":")[0])
+    return section

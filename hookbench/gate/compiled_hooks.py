@@ -30,11 +30,15 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
 
+from hookbench.gate.checks import Run, Section
 from hookbench.measure import parity
 from hookbench.mechanisms.activation_capture import ActivationCapture
 from hookbench.models.zoo import TinySpec
 
 __all__ = ["BACKENDS", "CHECKS", "EXPLAINED", "SPEC", "observe", "run_all"]
+
+# Compiling takes seconds: selfcheck runs the section clean and under its own fault.
+FAULTS = ("compiled_module_skips_forward_hooks",)
 
 BACKENDS = ("eager", "inductor")
 
@@ -450,3 +454,24 @@ def run_all(backends: tuple[str, ...] = BACKENDS,
         torch.random.set_rng_state(rng)
         torch.set_grad_enabled(grad_enabled)
     return results
+
+
+def measure(run: Run) -> dict[str, str | None]:
+    return run_all()
+
+
+def judge(base: dict, now: dict, run: Run) -> Section:
+    section = Section("Hooks and mechanisms under torch.compile against eager, as recorded",
+                      ("backend/check", "recorded", "verdict"))
+    for key, outcome in now.items():
+        recorded = base.get(key, "not recorded")
+        explained = EXPLAINED.get(key)
+        if outcome == recorded:
+            verdict = "equal to eager" if outcome is None else (
+                f"pinned difference: {outcome}" + (f" ({explained})" if explained else ""))
+        else:
+            verdict = (f"CHANGED: {'equal to eager' if outcome is None else outcome} "
+                       f"(re-record only if intended)")
+        shown = {None: "equal", "not recorded": "not recorded"}.get(recorded, "differs")
+        section.add(outcome == recorded, key, shown, verdict)
+    return section

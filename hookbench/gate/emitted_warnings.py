@@ -24,12 +24,16 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from hookbench.core.prerequisites import attempt
+from hookbench.gate.checks import Run, Section
 from hookbench.mechanisms.activation_capture import ActivationCapture
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 from hookbench.mechanisms.zero2 import Zero2
 from hookbench.models.zoo import TinySpec
 
 __all__ = ["RUNS", "describe", "run_all"]
+
+# The standard runs take seconds: selfcheck runs the section clean and under its own fault.
+FAULTS = ("new_warning",)
 
 SPEC = TinySpec(depth=3, width=8, tied=True, frozen=True)
 _NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?(?:e[-+]?\d+)?")
@@ -113,3 +117,30 @@ def run_all() -> dict[str, Any]:
             stopped = attempt(lambda: run() or {})  # {} when it ran, else what stopped it
         out[name] = stopped or sorted({describe(w) for w in caught})
     return out
+
+
+def measure(run: Run) -> dict[str, Any]:
+    return run_all()
+
+
+def judge(base: dict, now: dict, run: Run) -> Section:
+    strict = run.strict_warnings
+    section = Section("Warnings of each mechanism's standard run against the baseline"
+                      + ("; new or vanished ones fail (--strict-warnings)" if strict else
+                         "; new or vanished ones are listed, and fail with --strict-warnings"),
+                      ("run", "warning", "verdict"))
+    for name, emitted in now.items():
+        if section.add_stopped(emitted, name):
+            continue
+        recorded = base.get(name)
+        if not isinstance(recorded, list):
+            section.add(False, name, "", "no baseline recorded; record with `hookbench record`")
+            continue
+        changes = [(w, "NEW") for w in emitted if w not in recorded] + [
+            (w, "VANISHED") for w in recorded if w not in emitted]
+        for warning, change in changes:
+            section.add(not strict, name, warning, change)
+        if not changes:
+            section.add(True, name, f"{len(emitted)} warning{'' if len(emitted) == 1 else 's'}",
+                        "as recorded")
+    return section

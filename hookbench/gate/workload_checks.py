@@ -47,13 +47,17 @@ from hookbench.core import launch
 from hookbench.core.prerequisites import attempt
 from hookbench.core.workload import Workload
 from hookbench.gate.baselines import fingerprint
+from hookbench.gate.checks import Run, Section, trajectory_verdict
+from hookbench.gate.memory import amount, memory_verdict
 from hookbench.measure import zero2_runs
-from hookbench.measure.memory import measure
+from hookbench.measure.memory import measure as measure_step
 from hookbench.measure.parity import (NoiseBounds, Tolerance, compare, parameters_only,
                                       rounding_level, tolerance, training, trajectory)
 
 __all__ = ["MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS", "bucket", "capture",
            "measure_all", "memory", "refusal", "refused_words", "trajectories", "zero2"]
+
+FAULTS = None
 
 STRATEGIES = ("forloop", "foreach", "in_backward", "in_backward_grouped",
               "in_backward_grouped_foreach", "in_backward_bucketed")
@@ -269,9 +273,9 @@ def memory(workload: Workload) -> dict[str, dict[str, Any]]:
             continue  # the trajectory row checks the refusal
         def one(strategy: str = strategy) -> dict[str, Any]:
             zero = strategy == "zero2"
-            r = measure(eager, strategy, optimizer_class=cls,
-                        optimizer_kwargs={**kwargs, "bucket_numel": bucket(workload)}
-                        if zero else kwargs, world_size=ZERO2_MEMORY_WORLD if zero else 1)
+            r = measure_step(eager, strategy, optimizer_class=cls,
+                             optimizer_kwargs={**kwargs, "bucket_numel": bucket(workload)}
+                             if zero else kwargs, world_size=ZERO2_MEMORY_WORLD if zero else 1)
             measured[strategy] = r
             problems = []
             standard = measured.get("foreach")
@@ -306,3 +310,41 @@ def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str
         out.update(capture(w))
         out.update(memory(w))
     return out
+
+
+def measure(run: Run) -> dict[str, Any] | None:
+    """None without workloads: the section is not measured (the gate's default sections)."""
+    return measure_all(list(run.workloads), run.fault) if run.workloads else None
+
+
+def judge(base: dict, now: dict, run: Run) -> Section:
+    section = Section(f"Your workloads: {STEPS} steps per strategy against the stored checksum "
+                      f"and live against its reference, ZeRO-2 on {ZERO2_RANKS} gloo ranks, "
+                      f"fake-backend peak memory", ("workload/check", "verdict"))
+    for key, value in now.items():
+        if section.add_stopped(value, key):
+            continue
+        rec = base.get(key)
+        if "refused" in value:
+            ok = rec is not None and rec.get("refused") == value["refused"]
+            section.add(ok, key, f"refuses, as designed: {value['refused']}" if ok else
+                        f"CHANGED: now refuses ({value['refused']}); recorded "
+                        f"{'nothing' if rec is None else rec.get('refused', 'a run')}")
+        elif value.get("problems"):
+            section.add(False, key, "; ".join(value["problems"]))
+        elif "peak" in value:
+            ok, verdict = memory_verdict(rec, value, "fake")
+            section.add(ok, key, f"peak {amount(value['peak'])}: {verdict}")
+        elif "records" in value:  # capture: a module call more or less is a changed model
+            ok = rec is not None and rec.get("records") == value["records"]
+            section.add(ok, key, f"{value['records']} of {value['calls']} module calls "
+                        f"recorded, training unchanged: " + ("identical" if ok else
+                        f"CHANGED: recorded {'nothing' if rec is None else rec.get('records')}"))
+        else:  # another CPU may change the bits: then the row's own tolerance
+            ok, verdict = trajectory_verdict(rec, value, Tolerance(**value["tolerance"]),
+                                             run.machine_note)
+            section.add(ok, key, "; ".join(filter(None, (verdict, value.get("parity")))))
+    names = {key.split("/")[0] for key in now}
+    for key in sorted(k for k in set(base) - set(now) if k.split("/")[0] in names):
+        section.add(False, key, "recorded, but not measured now (re-record on purpose)")
+    return section

@@ -230,7 +230,7 @@ class MemoryResult:
     # the gradients the strategy needs at once (all of them for a standard step, one parameter's
     # or one module's in backward, the rank's gradient shard for ZeRO-2) before they are
     # stepped. A lower bound, so the larger of the two, not their sum (a for-loop step already
-    # runs below the sum). tests/test_memory.py checks that no measured step goes below it.
+    # runs below the sum). tests/measure/test_memory.py checks that no measured step goes below it.
     floor: int
     floor_breakdown: dict[str, int]
     timeline: list[tuple[str, tuple[int, ...]]] = field(repr=False)

@@ -523,7 +523,7 @@ class NoiseBounds:
 # implementation, which a regression inside its kernel passes on both sides alike.
 AGAINST_FORLOOP = ("foreach", "fused")
 
-# The options the suite's property tests draw (tests/test_optimizer_in_backward.py, optimizers)
+# The options the suite's property tests draw (tests/mechanisms/test_optimizer_in_backward.py, optimizers)
 # that a family's FAMILIES settings leave out, each added to those settings, so that every
 # branch of each implementation meets the for-loop's.
 OPTION_VARIANTS: dict[str, tuple[dict[str, Any], ...]] = {

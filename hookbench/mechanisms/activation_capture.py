@@ -24,8 +24,8 @@ for them.
 
 Statistics are those of the values in float64, whatever the output's dtype (float16, bfloat16,
 float32, float64, integer or bool; contiguous or not), and agree with torch's own reductions of
-``t.double()`` to the rounding of float64 sums (``tests/test_activation_capture.py`` checks
-every statistic on adversarial data). ``std`` uses Bessel's correction, as ``torch.std``. An
+``t.double()`` to the rounding of float64 sums (``tests/mechanisms/test_activation_capture.py``
+checks every statistic on adversarial data). ``std`` uses Bessel's correction, as ``torch.std``. An
 empty tensor has ``numel`` 0 and every other statistic nan; a single element has ``std`` nan.
 """
 

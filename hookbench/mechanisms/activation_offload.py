@@ -45,8 +45,8 @@ Compression (``compress``), float32 tensors only, never parameters or non-float 
   ``s / 2`` (absolute). An all-zero tensor is stored as zeros.
 
 Backward then differentiates at the decompressed values, so gradients differ from the exact
-ones by what the formulas do with those errors; tests/test_activation_offload.py states and
-checks the resulting tolerance per mode.
+ones by what the formulas do with those errors; tests/mechanisms/test_activation_offload.py states
+and checks the resulting tolerance per mode.
 
 Counting: ``packed`` (saved tensors offloaded), ``kept`` (left on the device), ``unpacked``
 (brought back), ``host_bytes`` (live host copies, in bytes) and ``host_tensors()`` (the live

@@ -128,22 +128,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
     ) -> None:
         # Everything is validated and every inner optimizer built before the first hook is
         # registered, so bad input leaves the model exactly as it was.
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        _check_optimizer_class(optimizer_class)
-        if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
-            raise TypeError(f"accumulation_steps must be an int, got {accumulation_steps!r}")
-        if accumulation_steps < 1:
-            raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
-        if bucket_cap_mb is not None:
-            if (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
-                    or not 0 < bucket_cap_mb < float("inf")):
-                raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got "
-                                 f"{bucket_cap_mb!r}")
-            if grouped:
-                raise ValueError("grouped=True and bucket_cap_mb are two ways of grouping the "
-                                 "parameters (by module, by size); pass one of them")
-
+        _check_arguments(model, optimizer_class, accumulation_steps, grouped, bucket_cap_mb)
         names = {p: n for n, p in model.named_parameters()}
         groups = _normalize_groups(params, names, defaults)
         # A probe on a dummy tensor validates the options (torch raises on a negative lr, ...)
@@ -283,16 +268,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         position, as ``torch.optim.Optimizer`` does. Shapes are checked before anything changes.
         """
         state_dict = _reorder_by_name(state_dict, self.param_groups)
-        params = [p for g in self.param_groups for p in g["params"]]
-        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
-        if len(saved) == len(params):
-            for index, p in zip(saved, params):
-                for key, value in state_dict["state"].get(index, {}).items():
-                    if torch.is_tensor(value) and value.dim() > 0 and value.shape != p.shape:
-                        raise ValueError(
-                            f"state '{key}' of parameter '{self._name(p)}' has shape "
-                            f"{tuple(value.shape)}, the parameter has {tuple(p.shape)}"
-                        )
+        self._check_state_shapes(state_dict)
         names = [g["param_names"] for g in self.param_groups]
         super().load_state_dict(state_dict)  # validates group sizes before changing anything
         for group, own in zip(self.param_groups, names):  # torch < 2.6 drops them from
@@ -330,6 +306,19 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for unit in self._units:
             unit.optimizer.state = self.state
 
+    def _check_state_shapes(self, state_dict: dict[str, Any]) -> None:
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved = [i for g in state_dict["param_groups"] for i in g["params"]]
+        if len(saved) != len(params):
+            return  # torch.optim.Optimizer.load_state_dict names the mismatch
+        for index, p in zip(saved, params):
+            for key, value in state_dict["state"].get(index, {}).items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape != p.shape:
+                    raise ValueError(
+                        f"state '{key}' of parameter '{self._name(p)}' has shape "
+                        f"{tuple(value.shape)}, the parameter has {tuple(p.shape)}"
+                    )
+
     def _name(self, param: torch.Tensor) -> str:
         for group in self.param_groups:
             for p, n in zip(group["params"], group["param_names"]):
@@ -341,6 +330,25 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def inner_optimizers(self) -> list[torch.optim.Optimizer]:
         """The per-parameter (or per-module) optimizers, for inspection."""
         return [u.optimizer for u in self._units]
+
+
+def _check_arguments(model: Any, optimizer_class: Any, accumulation_steps: Any, grouped: bool,
+                     bucket_cap_mb: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    _check_optimizer_class(optimizer_class)
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int):
+        raise TypeError(f"accumulation_steps must be an int, got {accumulation_steps!r}")
+    if accumulation_steps < 1:
+        raise ValueError(f"accumulation_steps must be >= 1, got {accumulation_steps}")
+    if bucket_cap_mb is not None:
+        if (isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float))
+                or not 0 < bucket_cap_mb < float("inf")):
+            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got "
+                             f"{bucket_cap_mb!r}")
+        if grouped:
+            raise ValueError("grouped=True and bucket_cap_mb are two ways of grouping the "
+                             "parameters (by module, by size); pass one of them")
 
 
 def _check_optimizer_class(optimizer_class: Any) -> None:

@@ -7,7 +7,7 @@ parameters and buffers (names, shapes, dtypes, order), the same submodule names 
 layers with the same settings, the same forward op for op with the same tensor lifetimes (so a
 memory measurement is the same allocation by allocation), and, from the same seed, the same
 initial values (layers are created and initialised in torchvision's order, with its
-distributions). tests/test_vision.py proves it where torchvision imports: layouts, module calls,
+distributions). tests/models/test_vision.py proves it where torchvision imports: layouts, module calls,
 outputs and gradients bit for bit with torchvision's state dict loaded (strict), and the
 fake-backend memory of every strategy the gate records.
 

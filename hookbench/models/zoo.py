@@ -159,7 +159,7 @@ class TinyTransformer(nn.Module):
 
 
 # name -> (builder, input kind); images are 3x224x224 with 1000 classes. The image models are
-# torchvision's, rebuilt without it (hookbench/models/vision.py; tests/test_vision.py proves them
+# torchvision's, rebuilt without it (hookbench/models/vision.py; tests/models/test_vision.py proves them
 # equal).
 ZOO = {
     "resnet18": (vision.resnet18, "image"),

@@ -23,7 +23,6 @@ import mup as mup_library
 from mup.coord_check import get_coord_data
 
 from hookbench.measure import coord_check as hb_coord
-from hookbench.models import mup as hb_mup
 
 __all__ = ["coordinates", "difference", "library_model"]
 

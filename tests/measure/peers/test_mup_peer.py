@@ -1,7 +1,7 @@
 """microsoft/mup as a peer: on the same graph, initialisation, data and seeds, hookbench's muP
 coordinates equal the library's (``MuReadout``, ``set_base_shapes``, ``MuAdam``,
 ``get_coord_data``). Skipped with a reason where the ``mup`` extra is not installed; the
-comparison is shown to fail on hookbench's old readout in tests/test_mup.py."""
+comparison is shown to fail on hookbench's old readout in tests/models/test_mup.py."""
 
 import pytest
 import torch

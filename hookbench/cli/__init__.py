@@ -5,7 +5,7 @@
     hookbench capture       capture a zoo model's activations and print a per-layer table
     hookbench coord-check   the muP coordinate check: width sweep, verdict, plot; exits 1 on FAIL
     hookbench zero2         ZeRO-2 demo: per-rank peak memory and parity; under torchrun
-                            (torchrun --nproc-per-node 2 -m hookbench.cli zero2) or spawning;
+                            (torchrun --nproc-per-node 2 -m hookbench zero2) or spawning;
                             --simulate 1,8,64,1024: the ZeRO paper's memory table, executed
     hookbench record        record the upgrade gate's baseline (baselines/gate.json and the
                             checkpoint files in baselines/checkpoints/) on purpose
@@ -14,14 +14,16 @@
     hookbench speed         the whole-step table: the optimizer in backward against the standard
                             step, per implementation, interleaved
 
-The arguments are parsed before torch is imported (from ``hookbench.core.names``), so that
-``--help`` and a bad argument answer at once; the subcommand then runs in
-``hookbench.commands``.
+The arguments are parsed here before torch is imported (from ``hookbench.core.names``), so
+that ``--help`` and a bad argument answer at once; each subcommand then runs in a module of its
+own in this folder (``hookbench.cli.gate`` for ``hookbench gate``; ``common`` holds what they
+share), its ``run(args)`` returning the exit code.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from hookbench.core import names
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--out", default="hookbench-out", help="folder for the PNG, JSON, snapshots")
     rep.add_argument("--sections", default=",".join(names.REPORT_SECTIONS),
                      help=f"comma-separated, from {','.join(names.REPORT_SECTIONS)} (default: all)")
-    rep.set_defaults(run="_report")
+    rep.set_defaults(run="report")
 
     cap = commands.add_parser("capture", help="capture a zoo model's activations, print a table")
     cap.add_argument("--model", choices=sorted(names.ZOO), default="resnet18")
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     cap.add_argument("--exclude", action="append", help="module name or glob; repeatable")
     cap.add_argument("--stats", action="store_true",
                      help="compute statistics inside the hooks instead of keeping tensors")
-    cap.set_defaults(run="_capture")
+    cap.set_defaults(run="capture")
 
     coord = commands.add_parser("coord-check", help="the muP coordinate check (width sweep)")
     coord.add_argument("--model", choices=("mlp", "transformer"), default="mlp")
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                        help="also run microsoft/mup on the same graph, init, data and seeds and "
                             "print its coordinates beside hookbench's (needs the mup extra)")
     coord.add_argument("--out", default="hookbench-out")
-    coord.set_defaults(run="_coord_check")
+    coord.set_defaults(run="coord_check")
 
     z2 = commands.add_parser(
         "zero2", help="ZeRO-2 demo training: per-rank peak memory and parity verdict "
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                          "7.5 B-parameter GPT as rank 0 of each N on fake tensors (e.g. "
                          "1,8,64,1024; under a minute)")
     z2.add_argument("--out", default="hookbench-out", help="folder for --simulate's figure")
-    z2.set_defaults(run="_zero2")
+    z2.set_defaults(run="zero2")
 
     def baseline_options(command: argparse.ArgumentParser, models: tuple[str, ...]) -> None:
         command.add_argument("--baseline",
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                                              "(hook outcomes, checksums, memory, time ratios)")
     baseline_options(rec, names.GATE_RECORD_MODELS)
     rec.add_argument("--workload", action="append", help=WORKLOAD_HELP)
-    rec.set_defaults(run="_record")
+    rec.set_defaults(run="record")
     gt = commands.add_parser("gate", help="the installed torch against the stored baseline; "
                                           "exits 1 when hooks, numerics, memory or time regress")
     baseline_options(gt, names.GATE_MODELS)
@@ -134,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     gt.add_argument("--strict-warnings", action="store_true",
                     help="fail on a warning a mechanism's run emits that the baseline did not "
                          "record, or one that vanished (default: list them only)")
-    gt.set_defaults(run="_gate")
+    gt.set_defaults(run="gate")
     sp = commands.add_parser("speed", help="the whole-step table: each mode of the optimizer "
                                            "in backward against the standard step, interleaved")
     sp.add_argument("--model", choices=sorted({*names.ZOO, "mlp"}), default="vit_b_16",
@@ -144,19 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     sp.add_argument("--runs", type=int, default=5)
     sp.add_argument("--rounds", type=int, default=3, help="interleaved rounds per run")
     sp.add_argument("--json", help="also write the table here")
-    sp.set_defaults(run="_speed")
+    sp.set_defaults(run="speed")
     sc = commands.add_parser("selfcheck", help="run the gate under every injected fault: each "
                                                "must be caught and the clean run must pass")
     baseline_options(sc, ("transformer",))
     sc.add_argument("--json", help="also write which section caught each fault here")
-    sc.set_defaults(run="_selfcheck")
+    sc.set_defaults(run="selfcheck")
     args = parser.parse_args(argv)
     for option in ("batch_size", "nproc", "steps", "seeds", "bucket_numel", "runs", "rounds"):
         value = getattr(args, option, None)  # None: not this command's, or not given
         if value is not None and value < 1:
             parser.error(f"--{option.replace('_', '-')} must be >= 1")
     try:
-        from hookbench import commands
+        command = importlib.import_module(f"hookbench.cli.{args.run}")
     except ImportError as e:  # a torch without a module or name hookbench imports at load time
         import torch
 
@@ -165,11 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     # What cannot run here (bad arguments, no CUDA, no or a corrupt baseline): one line, exit 2.
     try:
-        return getattr(commands, args.run)(args)
+        return command.run(args)
     except (RuntimeError, ValueError, TypeError, FileNotFoundError, ImportError) as e:
         print(f"hookbench {args.command}: error: {e}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

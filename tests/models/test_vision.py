@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from hookbench.core.workload import Workload
-from hookbench.gate import MEMORY_STRATEGIES, ZERO2_BUCKET, ZERO2_WORLD
+from hookbench.gate.memory import STRATEGIES as MEMORY_STRATEGIES, ZERO2_BUCKET, ZERO2_WORLD
 from hookbench.measure.memory import measure
 from hookbench.models import vision
 from hookbench.models.zoo import workload as zoo_workload

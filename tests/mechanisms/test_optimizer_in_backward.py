@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hookbench import gate
+from hookbench.gate import step_time
 from hookbench.measure.faults import inject
 from hookbench.measure.memory import measure
 from hookbench.measure.parity import (
@@ -757,7 +757,7 @@ def test_benchmark_step_time(benchmark, strategy, device):
 
 # The whole step of a real model, per implementation: ViT-B/16 and the transformer, batch 2,
 # Adam; the standard step and each mode of the optimizer in backward that has the
-# implementation (gate.WHOLE_STEP_PAIRS). conftest.py prints each pair's ratio; `hookbench
+# implementation (step_time.WHOLE_STEP_PAIRS). conftest.py prints each pair's ratio; `hookbench
 # speed` times them interleaved, and `hookbench gate` the transformer's (its time section).
 # ViT-L/16 (batch 1, the tutorial's) is the GPU tier's.
 WHOLE_STEP_ROUNDS = {"transformer": 20, "vit_b_16": 5, "vit_l_16": 20}  # ViT-B/16: ~1.8 s a
@@ -765,7 +765,7 @@ WHOLE_STEP_ROUNDS = {"transformer": 20, "vit_b_16": 5, "vit_l_16": 20}  # ViT-B/
 
 
 @pytest.mark.parametrize("impl, mode", [
-    (impl, mode) for impl, modes in gate.WHOLE_STEP_PAIRS.items()
+    (impl, mode) for impl, modes in step_time.WHOLE_STEP_PAIRS.items()
     for mode in ("standard", *modes)])
 @pytest.mark.parametrize("model, batch, device", [
     pytest.param("vit_b_16", 2, "cpu", id="vit_b_16"),
@@ -775,9 +775,9 @@ def test_benchmark_whole_step(benchmark, model, batch, device, impl, mode):
     spec, (cls, kw) = zoo_workload(model, batch_size=batch), FAMILIES["adam"]
     benchmark.group = f"whole-step-{model}"
     benchmark.extra_info.update(strategy=f"{mode}-{impl}", device=device)
-    strategy = impl if mode == "standard" else gate.WHOLE_STEP_MODES[mode]
+    strategy = impl if mode == "standard" else step_time.WHOLE_STEP_MODES[mode]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    with training(spec, cls, {**kw, **gate.IMPLEMENTATIONS[impl]}, strategy,
+    with training(spec, cls, {**kw, **step_time.IMPLEMENTATIONS[impl]}, strategy,
                   device=device) as run:
         run.step(0)  # Adam's state exists from here on: the steady state
         benchmark.pedantic(lambda: (run.step(1), sync()), rounds=WHOLE_STEP_ROUNDS[model],

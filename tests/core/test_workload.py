@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch import nn
 
-from hookbench import Workload, gate
+from hookbench import Workload
 from hookbench.cli import main
 from hookbench.core.workload import checkpointed, configured, load
 from hookbench.gate import workload_checks
+from hookbench.gate.checks import Run
 from hookbench.measure.faults import inject
 from hookbench.mechanisms import optimizer_in_backward
 from hookbench.models import vision
@@ -326,13 +327,13 @@ def test_on_another_cpu_the_sampled_parameters_decide():
     assert {k: len(v["values"]) for k, v in now["final"].items()} == {
         "weight": 64, "weight#norm": 1, "bias": 2, "bias#norm": 1}
     other_cpu = {**now, "sha256": "0" * 64}
-    (cells, ok), = gate._workloads_section({"tiny/forloop": other_cpu}, {"tiny/forloop": now},
-                                           " (another CPU)").rows
+    (cells, ok), = workload_checks.judge({"tiny/forloop": other_cpu}, {"tiny/forloop": now},
+                                         Run(machine_note=" (another CPU)")).rows
     assert ok and cells[-1].startswith("CHANGED bits (another CPU); final parameters bit-exact")
     off = json.loads(json.dumps(other_cpu))
     off["final"]["weight"]["values"][7] += 1e-3
-    (cells, ok), = gate._workloads_section({"tiny/forloop": off}, {"tiny/forloop": now},
-                                           "").rows
+    (cells, ok), = workload_checks.judge({"tiny/forloop": off}, {"tiny/forloop": now},
+                                         Run()).rows
     assert not ok and "FAIL" in cells[-1] and "weight" in cells[-1]
 
 
@@ -340,9 +341,9 @@ def test_the_gate_fails_a_changed_refusal_and_a_row_it_no_longer_measures():
     base = {"tiny/in_backward": {"refused": "RuntimeError: forward under float16 autocast"},
             "tiny/foreach": {"sha256": "0"}}
     now = {"tiny/in_backward": {"refused": "ValueError: something else"}}
-    section = gate._workloads_section(base, now, "")
+    section = workload_checks.judge(base, now, Run())
     assert [(cells[0], bool(verdict)) for cells, verdict in section.rows] == [
         ("tiny/in_backward", False), ("tiny/foreach", False)]
     assert "CHANGED: now refuses" in section.rows[0][0][-1]
-    same = gate._workloads_section({"tiny/in_backward": now["tiny/in_backward"]}, now, "")
+    same = workload_checks.judge({"tiny/in_backward": now["tiny/in_backward"]}, now, Run())
     assert same.ok and "refuses, as designed" in same.rows[0][0][-1]

@@ -19,7 +19,7 @@ from hookbench.measure.faults import FAULTS, HOOK_FAULTS, inject
 from hookbench.measure.parity import FAMILIES, compare, live_gradients, tolerance, trajectory
 from hookbench.models.zoo import TinySpec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # Which contract checks each fault must break; the first one named is the check written for it.
 CAUGHT_BY_CONTRACT = {
@@ -108,28 +108,29 @@ def test_unknown_fault_is_refused():
 # for another, the check that guards what it breaks. The run uses the default tier's marker
 # expression, so a selection that is all slow collects nothing and fails this test.
 SUITE_UNDER_FAULT = {
-    **{fault: ("tests/test_optimizer_in_backward.py",
+    **{fault: ("tests/mechanisms/test_optimizer_in_backward.py",
                "bit_exact_with_forloop or freed_as_soon_as_stepped") for fault in HOOK_FAULTS},
-    "removal_does_nothing": ("tests/test_hook_contract.py", "test_contract"),
-    "optimizer_arithmetic_changed": ("tests/test_optimizer_in_backward.py",
+    "removal_does_nothing": ("tests/measure/test_hook_contract.py", "test_contract"),
+    "optimizer_arithmetic_changed": ("tests/mechanisms/test_optimizer_in_backward.py",
                                      "float64_reference_of_the_update_rule"),
-    "collective_wrong_slice": ("tests/test_zero2.py", "parity_with_single_process_training"),
-    "collective_low_precision": ("tests/test_zero2.py", "parity_with_single_process_training"),
-    "private_module_missing": ("tests/test_gate.py", "by_category and transformer"),
-    "private_api_changed": ("tests/test_memory.py", "about_6_gb"),
-    "tracker_misses_allocations": ("tests/test_gate.py", "by_category and transformer"),
-    "reduce_scatter_ignores_op": ("tests/test_collectives.py",
+    **{fault: ("tests/mechanisms/test_zero2.py", "parity_with_single_process_training")
+       for fault in ("collective_wrong_slice", "collective_low_precision")},
+    "private_module_missing": ("tests/gate/test_gate.py", "by_category and transformer"),
+    "private_api_changed": ("tests/measure/test_memory.py", "about_6_gb"),
+    "tracker_misses_allocations": ("tests/gate/test_gate.py", "by_category and transformer"),
+    "reduce_scatter_ignores_op": ("tests/gate/test_collectives.py",
                                   "every_pair_matches_the_hand_computation"),
-    "step_dtype_changed": ("tests/test_checkpoints.py", "committed_checkpoints_resume"),
-    "checkpoint_key_renamed": ("tests/test_checkpoints.py", "committed_checkpoints_resume"),
-    "new_warning": ("tests/test_emitted_warnings.py", "every_run_emits"),
-    "compiled_module_skips_forward_hooks": ("tests/test_compiled_hooks.py",
+    "step_dtype_changed": ("tests/gate/test_checkpoints.py", "committed_checkpoints_resume"),
+    "checkpoint_key_renamed": ("tests/gate/test_checkpoints.py", "committed_checkpoints_resume"),
+    "new_warning": ("tests/gate/test_emitted_warnings.py", "every_run_emits"),
+    "compiled_module_skips_forward_hooks": ("tests/gate/test_compiled_hooks.py",
                                             "eager_backend_keeps_forward_hooks"),
-    "pack_called_twice": ("tests/test_saved_tensor_contract.py", "test_contract"),
-    "unpack_returns_stale": ("tests/test_activation_offload.py",
+    "pack_called_twice": ("tests/measure/test_saved_tensor_contract.py", "test_contract"),
+    "unpack_returns_stale": ("tests/mechanisms/test_activation_offload.py",
                              "lossless_offload_trains_bit_for_bit"),
-    "offload_keeps_device_copy": ("tests/test_activation_offload.py", "count_as_host_memory"),
-    "compression_on_exact_tensor": ("tests/test_activation_offload.py",
+    "offload_keeps_device_copy": ("tests/mechanisms/test_activation_offload.py",
+                                  "count_as_host_memory"),
+    "compression_on_exact_tensor": ("tests/mechanisms/test_activation_offload.py",
                                     "lossless_offload_trains_bit_for_bit"),
 }
 

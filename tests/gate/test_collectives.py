@@ -12,7 +12,7 @@ import torch
 from hookbench import gate
 from hookbench.gate import baselines, collectives
 
-BASELINE = Path(__file__).resolve().parent.parent / "baselines" / "gate.json"
+BASELINE = Path(__file__).resolve().parents[2] / "baselines" / "gate.json"
 NOT_SUM = ("AVG", "MAX", "MIN", "PRODUCT")
 # gloo's reduce_scatter summed whatever op it was given until torch 2.11 (pytorch#162338; seen
 # on 2.4.1 and 2.8.0, fixed on 2.11.0), and gloo had no AVG before 2.8 (pytorch#149781; seen
@@ -40,7 +40,7 @@ def test_every_pair_matches_the_hand_computation(request):
 
 
 # slow: about 8 s; under this fault the default tier fails every_pair_matches_the_hand_computation
-# (tests/test_faults.py) and selfcheck (slow) fails the gate
+# (tests/measure/test_faults.py) and selfcheck (slow) fails the gate
 @pytest.mark.slow
 def test_the_gate_fails_a_reduce_scatter_that_ignores_op(base):
     now = {"recorded_with": baselines.environment(),

@@ -1,7 +1,7 @@
 """Every standard optimizer implementation against the standard for-loop step (issue 26).
 
 The grouped and bucketed modes of the optimizer in backward are compared with the standard step
-of the same implementation (tests/test_optimizer_in_backward.py), which a regression inside that
+of the same implementation (tests/mechanisms/test_optimizer_in_backward.py), which a regression inside that
 kernel passes on both sides alike. Here foreach and fused meet the for-loop, as PyTorch's own
 test_foreach_matches_forloop and test_fused_matches_forloop do, for every family and option the
 suite uses (``parity.IMPLEMENTATION_CASES``), in float32 and float64 within

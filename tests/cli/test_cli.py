@@ -19,13 +19,13 @@ from hookbench.report import MEMORY_STRATEGIES, SAVING_ROWS
 ARGS = ["report", "--model", "transformer", "--device", "fake"]
 
 
-# slow: the whole report, every section, about 15 s; the default tier keeps each section's own
-# tests and the report's exit code under a fault (below); examples/charlm/check.sh runs a report
-@pytest.mark.slow
 def by_row(data: dict) -> dict:
     return {m["strategy"]: m for m in data["memory"]}
 
 
+# slow: the whole report, every section, about 15 s; the default tier keeps each section's own
+# tests and the report's exit code under a fault (below); examples/charlm/check.sh runs a report
+@pytest.mark.slow
 def test_report_prints_writes_and_passes(capsys, tmp_path):
     assert main([*ARGS, "--out", str(tmp_path)]) == 0
     captured = capsys.readouterr()
@@ -220,7 +220,7 @@ def test_a_torch_without_a_module_hookbench_loads_fails_in_one_line():
 
 
 def test_speed_prints_the_whole_step_table_and_writes_it(capsys, tmp_path):
-    # The MLP, 2 runs of 1 round (a few seconds): every pair of gate.WHOLE_STEP_PAIRS, a ratio
+    # The MLP, 2 runs of 1 round (a few seconds): every pair of step_time.WHOLE_STEP_PAIRS, a ratio
     # per run; per parameter has no foreach form, so its foreach cell is "-".
     target = tmp_path / "speed.json"
     assert main(["speed", "--model", "mlp", "--runs", "2", "--rounds", "1",
@@ -231,7 +231,7 @@ def test_speed_prints_the_whole_step_table_and_writes_it(capsys, tmp_path):
     assert list(rows) == ["for-loop", "foreach", "fused"]
     assert re.search(r"foreach\s+[\d.]+\s+-\s+\d", rows["foreach"]), rows["foreach"]
     table = json.loads(target.read_text())["table"]
-    from hookbench.gate import WHOLE_STEP_PAIRS
+    from hookbench.gate.step_time import WHOLE_STEP_PAIRS
     assert {impl: set(row) for impl, row in table.items()} == {
         impl: {"standard", *modes} for impl, modes in WHOLE_STEP_PAIRS.items()}
     assert all(len(v) == 2 and all(x > 0 for x in v) for row in table.values()

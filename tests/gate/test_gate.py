@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -16,14 +17,16 @@ import torch
 
 from hookbench import gate
 from hookbench.cli import main
+from hookbench.core import names
 from hookbench.core.prerequisites import attempt
-from hookbench.gate import baselines, checks
+from hookbench.gate import baselines, checks, memory, numerics, parity, step_time
+from hookbench.gate.checks import Run, Verdict
 from hookbench.measure.faults import FAULTS, inject
 from hookbench.measure.memory import format_bytes
 from hookbench.measure.parity import IMPLEMENTATION_CASES
 from hookbench.report import render
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BASELINE = ROOT / "baselines" / "gate.json"
 
 
@@ -53,7 +56,7 @@ def test_hook_behaviour_and_trajectories_match_the_baseline(base):
 @pytest.mark.parametrize("model", [pytest.param(m, marks=pytest.mark.slow) if m == "vit_b_16"
                                    else m for m in gate.MODELS])
 def test_peak_memory_by_category_within_1_percent_of_the_baseline(base, model):
-    section = _judge(base, {"memory": gate._memory((model,), "fake")})["memory"]
+    section = _judge(base, {"memory": memory.measure(Run(models=(model,)))})["memory"]
     assert section.ok, render([section])
 
 
@@ -63,7 +66,7 @@ def test_peak_memory_by_category_within_1_percent_of_the_baseline(base, model):
 @pytest.mark.smoke
 def test_a_kept_gradient_exceeds_the_memory_baseline_naming_both_numbers(base):
     with inject("keeps_gradients_alive"):
-        now = gate._memory(("transformer",), "fake")
+        now = memory.measure(Run(models=("transformer",)))
     section = _judge(base, {"memory": now})["memory"]
     failed = {cells[0]: cells[-1] for cells, ok in section.rows if not ok}
     assert "transformer/in_backward" in failed and "transformer/foreach" not in failed
@@ -78,12 +81,12 @@ def test_a_kept_gradient_exceeds_the_memory_baseline_naming_both_numbers(base):
 
 def test_changed_optimizer_arithmetic_fails_the_trajectories_it_touches(base):
     with inject("optimizer_arithmetic_changed"):
-        now = gate._numerics()
+        now = numerics.measure(Run())
     rows = {cells[0]: (ok, cells[-1]) for cells, ok in _judge(base, {"numerics": now})[
         "numerics"].rows}
     assert {k for k, (ok, _) in rows.items() if not ok} == {
         f"{family}/{strategy}" for family in ("adam", "adam_amsgrad", "adamw")
-        for strategy in gate.TRAJECTORY_STRATEGIES}
+        for strategy in numerics.TRAJECTORY_STRATEGIES}
     assert "x of tolerance" in rows["adam/forloop"][1]
 
 
@@ -109,13 +112,13 @@ def test_a_changed_hook_outcome_fails(base):
     assert [cells[0] for cells, ok in section.rows if not ok] == ["removal"]
 
 
-@pytest.mark.parametrize("key", list(gate.TIME_TARGETS))
+@pytest.mark.parametrize("key", list(step_time.TIME_TARGETS))
 def test_time_ratio_fails_only_past_its_slack(base, key):
     # Every ratio the time section measures has a recorded value (else its row fails with "no
     # baseline recorded"), and each fails just past the slack, only there.
     recorded = base["time"][key]
-    within = _judge(base, {"time": {key: recorded * (1 + gate.TIME_SLACK) * 0.99}})["time"]
-    beyond = _judge(base, {"time": {key: recorded * (1 + gate.TIME_SLACK) * 1.01}})["time"]
+    within = _judge(base, {"time": {key: recorded * (1 + step_time.SLACK) * 0.99}})["time"]
+    beyond = _judge(base, {"time": {key: recorded * (1 + step_time.SLACK) * 1.01}})["time"]
     assert within.ok and not beyond.ok
     assert "SLOWER" in beyond.rows[0][0][-1] and f"{recorded:.2f}x" in beyond.rows[0][0]
 
@@ -133,7 +136,7 @@ def test_missing_baseline_entries_fail(base):
 
 def test_a_private_module_that_stops_importing_fails_naming_it(base):
     with inject("private_module_missing"):
-        now = gate._memory(("transformer",), "fake")
+        now = memory.measure(Run(models=("transformer",)))
     section = _judge(base, {"memory": now})["memory"]
     failed = {cells[0]: cells[-1] for cells, ok in section.rows if not ok}
     assert set(failed) == {"transformer/zero2"}  # the one measurement that imports it
@@ -153,7 +156,7 @@ def test_gate_with_a_private_import_blocked_exits_1_naming_the_module(capsys):
 
 def test_a_measurement_that_raises_fails_and_is_named(base):
     with inject("private_api_changed"):
-        now = gate._memory(("transformer",), "fake")
+        now = memory.measure(Run(models=("transformer",)))
     section = _judge(base, {"memory": now})["memory"]
     assert not section.ok and section.skipped == 0
     for cells, ok in section.rows:
@@ -189,9 +192,36 @@ def test_a_section_that_crashes_is_one_failed_row_not_a_crash(base):
     assert gate.failures(now) == [f"zero2: RuntimeError: {crashed}"]
 
 
+def test_each_section_is_one_module_of_the_registry(monkeypatch):
+    assert tuple(gate.REGISTRY) == names.GATE_SECTIONS  # what the command line offers
+    for module in gate.REGISTRY.values():
+        assert module.__name__.startswith("hookbench.gate.") and callable(module.judge)
+        assert module.measure is None or callable(module.measure)
+        assert module.FAULTS is None or set(module.FAULTS) <= set(FAULTS), module.__name__
+    # A new section is its module and its line in the registry: measured under the run's
+    # fault, judged against its recorded rows, and a measurement that raises is one failed row.
+    def judge(base, now, run):
+        section = checks.Section("extra", ("row", "verdict"))
+        for key, value in now.items():
+            section.add(base.get(key) == value, key, str(value))
+        return section
+
+    extra = types.SimpleNamespace(measure=lambda run: {"fault": run.fault}, judge=judge,
+                                  FAULTS=None)
+    monkeypatch.setitem(gate.REGISTRY, "extra", extra)
+    now = gate.measure_all(("extra",), fault="fires_twice")
+    assert now["extra"] == {"fault": "fires_twice"}
+    assert gate.check({"recorded_with": now["recorded_with"], "extra": {"fault": None}}, now,
+                      parity=False)["extra"].rows == [(("fault", "fires_twice"), Verdict.FAIL)]
+    monkeypatch.setattr(extra, "measure", lambda run: 1 / 0)
+    now = gate.measure_all(("extra",))
+    (cells, verdict), = gate.check(now, now, parity=False)["extra"].rows
+    assert not verdict and cells == ("extra", "FAILED: ZeroDivisionError: division by zero")
+
+
 def test_a_tracker_that_misses_allocations_fails_on_the_drop(base):
     with inject("tracker_misses_allocations"):
-        now = gate._memory(("transformer",), "fake")
+        now = memory.measure(Run(models=("transformer",)))
     section = _judge(base, {"memory": now})["memory"]
     failed = {cells[0]: cells[-1] for cells, ok in section.rows if not ok}
     # A standard step peaks in the optimizer step, after the activations are gone, so its
@@ -207,8 +237,8 @@ def test_a_tracker_that_misses_allocations_fails_on_the_drop(base):
 def test_memory_fails_below_and_above_the_slack_in_both_directions(base):
     key = "transformer/foreach"
     rec = base["memory"][key]
-    for factor, passes in ((1 - gate.MEMORY_SLACK * 1.5, False), (1 - gate.MEMORY_SLACK / 2, True),
-                           (1 + gate.MEMORY_SLACK / 2, True), (1 + gate.MEMORY_SLACK * 1.5, False)):
+    for factor, passes in ((1 - memory.SLACK * 1.5, False), (1 - memory.SLACK / 2, True),
+                           (1 + memory.SLACK / 2, True), (1 + memory.SLACK * 1.5, False)):
         now = json.loads(json.dumps(rec))
         now["peak"] = round(rec["peak"] * factor)
         (cells, ok), = _judge(base, {"memory": {key: now}})["memory"].rows
@@ -231,8 +261,8 @@ def test_a_change_within_the_slack_prints_two_different_amounts(base):
         assert abs(float(number) - exact / 1e6) <= 0.5 * 10.0 ** -len(number.split(".")[1])
     (cells, ok), = _judge(base, {"memory": {key: rec}})["memory"].rows
     assert cells[1] == cells[2] == format_bytes(rec["peak"], 4)
-    assert gate._amounts(68_757_504, 68_758_016) == ("68.7575 MB", "68.7580 MB")
-    assert gate._amounts(999, 1_000, 6_088_090_112) == ("999 B", "1.000 KB", "6.088 GB")
+    assert memory.amounts(68_757_504, 68_758_016) == ("68.7575 MB", "68.7580 MB")
+    assert memory.amounts(999, 1_000, 6_088_090_112) == ("999 B", "1.000 KB", "6.088 GB")
 
 
 @pytest.mark.parametrize("text, message", [
@@ -327,7 +357,7 @@ def test_gate_parity_compares_each_implementation_with_the_forloop_and_fails_a_b
     out = capsys.readouterr().out
     rows = [(line[0], *line[2:].split(maxsplit=1)) for line in out.splitlines()
             if " step vs for-loop step" in line]  # mark, case, comparison and verdict
-    assert len(rows) == len(IMPLEMENTATION_CASES) * 2 * len(gate.IMPLEMENTATION_DTYPES)
+    assert len(rows) == len(IMPLEMENTATION_CASES) * 2 * len(parity.IMPLEMENTATION_DTYPES)
     assert {(case, rest.split("  ")[0]) for mark, case, rest in rows if mark == "!"} == {
         (case, f"foreach step vs for-loop step{dtype}") for case in IMPLEMENTATION_CASES
         if case.startswith("adam") for dtype in ("", ", float64")}, out
@@ -393,7 +423,7 @@ def test_selfcheck_catches_every_fault_and_passes_clean(tmp_path):
         assert main(["record", "--baseline", str(baseline), "--models", "transformer",
                      "--sections", ",".join(s for s in gate.SECTIONS if s != "time")]) == 0
     proc = subprocess.run(
-        [sys.executable, "-m", "hookbench.cli", "selfcheck", "--baseline", str(baseline),
+        [sys.executable, "-m", "hookbench", "selfcheck", "--baseline", str(baseline),
          "--models", "transformer", "--json", str(out)],
         cwd=tmp_path, capture_output=True, text=True, timeout=900)
     # A pair a torch computes wrongly fails whatever was recorded: on 2.4.1 and 2.8.0 gloo's

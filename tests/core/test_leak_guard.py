@@ -14,7 +14,7 @@ from hookbench.core.leak_guard import HookLeakGuard, HookTracker, untracked
 
 pytest_plugins = ["pytester"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 LEAKS = {
     "forward hook": lambda m: m[0].register_forward_hook(lambda *a: None),

@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("transformers", reason="the hf extra is not installed: pip install -e '.[hf]'")
 pytest.importorskip("timm", reason="the hf extra is not installed: pip install -e '.[hf]'")
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "examples" / "hf"))
+sys.path.insert(0, str(Path(__file__).parents[2] / "examples" / "hf"))
 from hfstack.workloads import GPT2, LLAMA_BF16, VIT, WORKLOADS  # noqa: E402
 
 from hookbench.gate import workload_checks  # noqa: E402

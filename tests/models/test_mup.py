@@ -108,7 +108,7 @@ def test_the_bias_check_fails_on_the_old_readout(cls, old_readout):
 def test_the_coordinate_check_sees_the_old_readout_at_init(old_readout):
     # Effective variance ~ fan_in^-3: the logits at init shrink as 1/m across the coordinate
     # check's 16x width, 16x where MuReadout's shrink as m^-1/2, 4x
-    # (tests/test_coord_check.py::test_random_readout_init_logits_vanish_as_width_to_the_minus_half).
+    # (tests/measure/test_coord_check.py::test_random_readout_init_logits_vanish_as_width_to_the_minus_half).
     r = coord_check("mlp", "mup", readout_zero_init=False)
     assert r.shrink("out", 0) > 12, r.verdict()
 
@@ -120,7 +120,7 @@ def test_the_library_comparison_fails_on_the_old_readout(old_readout):
     from hookbench.measure.peers import microsoft_mup
 
     r = coord_check("mlp", "mup", readout_zero_init=False)
-    # tests/test_mup_peer.py asserts 0.0 on today's readout; the old one is off by 4x at init.
+    # tests/measure/peers/test_mup_peer.py asserts 0.0 on today's readout; the old one is off by 4x at init.
     assert microsoft_mup.difference(r, microsoft_mup.coordinates(
         "mlp", readout_zero_init=False)) > 0.5
 

@@ -15,7 +15,7 @@ from hookbench.gate import baselines, checkpoints
 from hookbench.measure.faults import inject
 from hookbench.report import render
 
-BASELINE = Path(__file__).resolve().parent.parent / "baselines" / "gate.json"
+BASELINE = Path(__file__).resolve().parents[2] / "baselines" / "gate.json"
 FOLDER = baselines.checkpoint_folder(BASELINE)
 
 

@@ -1,0 +1,110 @@
+"""``hookbench report``: the hook mechanisms verified and peak memory measured on the installed
+torch, for a zoo model or a user's workload; a PNG and a JSON beside the printed tables."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from typing import Any
+
+import torch
+
+from hookbench import report
+from hookbench.cli import common
+from hookbench.core import names
+from hookbench.core.prerequisites import attempt
+from hookbench.core.workload import Workload, checkpointed
+from hookbench.gate import checks, workload_checks
+from hookbench.gate.workload_checks import refusal, refused_words
+from hookbench.measure import plot
+from hookbench.measure.memory import format_bytes, measure
+
+
+def _adds(spec: Workload, changes: dict[str, Any], own: bool) -> bool:
+    """Whether a saving row measures something the workload does not already do: its own
+    offload is in every row. Checkpointing rows are the built-in models' only, those with a
+    repeated block: a user's workload checkpoints as its recipe says (``checkpointing``), and
+    a generic checkpoint can break a library's block (GPT-2's, called with a key-value cache
+    that the recomputation extends again: its recipe turns the cache off first)."""
+    if "offload" in changes and spec.offload is not None:
+        return False
+    if "checkpointing" in changes:
+        return (not own and spec.checkpointing == "none"
+                and bool(checkpointed(spec.build(), "repeated")))
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    backend = common.backend(args.device)
+    chosen = common.chosen(args.sections, names.REPORT_SECTIONS, "report sections")
+    spec = common.one_workload(args)
+    out = common.output_dir(args.out)
+    sections, results, written = [], [], [out / "report.json"]
+    own = bool(args.workload)  # a user's workload: its own rows in place of the built-in's
+    if "contract" in chosen:
+        sections.append(checks.contract_section())
+    if "optimizer" in chosen:
+        if own:
+            common.progress(f"{spec.name}: every strategy, {workload_checks.STEPS} steps ...")
+            sections.append(report.workload_section(
+                f"{spec.name}: the standard step per implementation and the optimizer in "
+                f"backward per mode, {workload_checks.STEPS} steps, each against its reference",
+                workload_checks.trajectories(spec)))
+        else:
+            sections.append(checks.optimizer_in_backward_section())
+    if "capture" in chosen:
+        sections.append(report.workload_section(
+            f"Activation capture on {spec.name}'s training step (statistics of every "
+            f"submodule's output)", workload_checks.capture(spec)))
+    if "memory" in chosen:
+        stopped: dict[str, dict[str, str]] = {}
+        rows = [(s, s, {}) for s in report.MEMORY_STRATEGIES] + [
+            (label, strategy, changes) for label, strategy, changes, _ in report.SAVING_ROWS
+            if _adds(spec, changes, own)]
+        for label, strategy, changes in rows:
+            started = time.perf_counter()
+            common.progress(f"measuring {spec.name} batch {spec.batch_size}, {label}, "
+                      f"backend {backend} ...")
+            snapshot = (out / f"snapshot-{spec.name}-{label.replace(' ', '')}.pickle"
+                        if backend == "cuda" else None)
+            measured = spec.replace(**changes)
+            measured = measured.replace(compile=None) if backend == "fake" else measured
+            got = attempt(lambda: {"result": dataclasses.replace(
+                measure(measured, strategy, backend=backend, snapshot_path=snapshot),
+                strategy=label)})
+            why = refusal(spec, strategy)
+            if why:  # it must refuse, before it changes anything
+                got = ({"refused": f"{refused_words(got['error'])} ({why})"}
+                       if "error" in got
+                       else {"error": f"measured a {spec.precision} step; it must refuse ({why})"})
+            if "result" not in got:
+                stopped[label] = got
+                common.progress("  stopped: " + (got.get("error") or got.get("refused")
+                                                 or got["skipped"]))
+                continue
+            results.append(got["result"])
+            common.progress(f"  peak {format_bytes(results[-1].peak, 4)} "
+                      f"({time.perf_counter() - started:.1f} s)")
+        sections.append(report.memory_section(results, stopped, spec.optimizer[0].__name__))
+        if results:
+            written.insert(0, plot.memory_timeline(results, out / "memory.png"))
+    if "zero2" in chosen:
+        by = {r.strategy: r for r in results}
+        parity = None
+        if own:
+            common.progress(f"{spec.name}: ZeRO-2 on {workload_checks.ZERO2_RANKS} gloo ranks ...")
+            parity = attempt(lambda: workload_checks.zero2([spec]))
+            parity = parity if "error" not in parity else {f"{spec.name}/zero2": parity}
+        sections.append(report.zero2_section(spec, backend, by.get("foreach"),
+                                             by.get("in_backward"), common.progress, parity))
+    data = {"torch": torch.__version__, "backend": backend, "model": spec.name,
+            "batch_size": spec.batch_size, "memory": [r.to_dict() for r in results],
+            "checks": [{"section": s.title, "row": list(cells), "ok": bool(verdict),
+                        "verdict": verdict.name} for s in sections for cells, verdict in s.rows]}
+    (out / "report.json").write_text(json.dumps(data, indent=1, default=str))
+    print(report.render(sections))
+    print(f"\nwrote {' and '.join(map(str, written))}"
+          + (f" and memory snapshots in {out}" if backend == "cuda" and results else ""))
+    return 0 if all(s.ok for s in sections) else 1

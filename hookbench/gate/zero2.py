@@ -1,0 +1,53 @@
+"""The gate's ``zero2`` section: ZeRO-2 on 2 gloo ranks (``hookbench.measure.zero2_runs``) per
+optimizer: parity with single-process training, the stored checksum (or else the tolerance),
+no gradient left on a parameter, every hook once per backward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hookbench.core import launch
+from hookbench.gate.baselines import fingerprint
+from hookbench.gate.checks import Run, Section, trajectory_rows
+from hookbench.measure import zero2_runs
+from hookbench.measure.parity import compare, parameters_only, trajectory
+
+FAULTS = None
+
+
+def run_ranks(faults: list[str | None]) -> dict[str | None, list]:
+    """Every rank's ZeRO-2 trajectories for each fault, from one start of 2 gloo ranks (the
+    fault is injected inside the ranks)."""
+    cases = [case for fault in faults for case in zero2_runs.parity_cases(fault)]
+    ranks = launch.run(zero2_runs.trajectories, 2, cases, timeout=300)
+    n = len(zero2_runs.PARITY_OPTIMIZERS)
+    return {fault: [[rank[i * n + j] for rank in ranks] for j in range(n)]
+            for i, fault in enumerate(faults)}
+
+
+def measure(run: Run) -> dict[str, Any]:
+    """Raises what stopped the ranks (crashed or late): the whole section fails, naming it."""
+    runs = run.zero2_ranks
+    if runs is None:
+        runs = run_ranks([run.fault])[run.fault]
+    if isinstance(runs, BaseException):  # ``selfcheck``'s ranks crashed or ran late
+        raise runs
+    out = {}
+    for name, case, ranks in zip(zero2_runs.PARITY_OPTIMIZERS, zero2_runs.parity_cases(), runs):
+        problems = zero2_runs.rank_problems(ranks)
+        if any(got["error"] for got in ranks):
+            out[name] = {"problems": problems}
+            continue
+        reference = parameters_only(trajectory(case["spec"], case["optimizer_class"],
+                                               case["kwargs"], "forloop", steps=case["steps"]))
+        parity = compare(ranks[0]["snapshots"], reference, zero2_runs.TOLERANCE)
+        if not parity.ok:
+            problems.append(f"vs single-process training: {parity.verdict()}")
+        out[name] = {**fingerprint(ranks[0]["snapshots"]), "problems": problems}
+    return out
+
+
+def judge(base: dict, now: dict, run: Run) -> Section:
+    return trajectory_rows(
+        "ZeRO-2 on 2 gloo ranks against single-process training and the stored checksum",
+        base, now, zero2_runs.TOLERANCE, run.machine_note)
