@@ -70,200 +70,6 @@ def _check_stats(which: Any) -> tuple[str, ...]:
     return which
 
 
-_NAN = float("nan")
-
-
-class _Plan(NamedTuple):
-    """What the device sums for a set of statistics (see ``_moments``)."""
-
-    std: bool  # the shift, and per chunk sum (x - shift) and sum (x - shift)^2
-    mean: bool  # per chunk sum (x - shift), or sum x when std is not wanted
-    l2: bool  # per chunk sum x^2 (l2, rms), unless std's sums give it
-    mean_abs: bool  # per chunk sum |x|
-    extremes: bool  # min and max, at the end
-
-    @staticmethod
-    @functools.lru_cache(maxsize=None)
-    def of(which: tuple[str, ...], n: int) -> _Plan:  # n: the numel, or 2 for any n > 1
-        w = set(which) if n else set()  # an empty tensor: nothing to compute
-        return _Plan("std" in w and n > 1, bool(w & {"mean", "std"}) and (n > 1 or "mean" in w),
-                     bool(w & {"l2", "rms"}), "mean_abs" in w, bool(w & {"min", "max"}))
-
-
-class _Stats:
-    """The statistics of one tensor. The device computes float64 sums (``_sums``), which the host
-    turns into statistics (``_finish``) when first asked for: a hook that synchronised on every
-    module call would stall a GPU pipeline, so ``ActivationCapture.table`` reads all of a
-    forward's at once (``_read_all``). What the host knows is never computed: numel, and nan
-    for every statistic of an empty tensor and for the std of one element (Bessel's correction
-    divides by n - 1 = 0: nan, as torch.std)."""
-
-    def __init__(self, which: tuple[str, ...], t: torch.Tensor) -> None:
-        x = t.detach()
-        self.which, self.n = which, x.numel()
-        self.plan = _Plan.of(which, min(self.n, 2))
-        self.pending, self.chunks = _sums(x, self.plan) if any(self.plan) else (None, 0)
-        self.values: dict[str, float] | None = None  # once read
-
-    def resolve(self) -> dict[str, float]:
-        _read_all([self])  # read once, then kept
-        return dict(self.values)
-
-    def _fill(self, raw: list[float]) -> None:
-        values = _finish(self.plan, self.n, self.chunks, raw)
-        self.values = {s: values.get(s, _NAN) for s in self.which}
-        self.pending = None
-
-
-def _read_all(stats: Iterable[_Stats]) -> None:
-    """Read every unread ``_Stats`` with one device-to-host copy per device (one sync), not
-    one per record."""
-    by_device: dict[torch.device, list[_Stats]] = {}
-    for st in stats:
-        if st.values is not None:
-            continue
-        if st.pending is None:  # nothing computed on the device
-            st._fill([])
-        else:
-            by_device.setdefault(st.pending.device, []).append(st)
-    for group in by_device.values():
-        raw, start = torch.cat([st.pending for st in group]).tolist(), 0
-        for st in group:
-            end = start + st.pending.numel()
-            st._fill(raw[start:end])
-            start = end
-
-
-# Why float64: float32 arithmetic cannot meet any useful tolerance on plausible outputs. Float32
-# L2 norms and sums overflow for values near 1e38 and square subnormals to 0; float32 cannot
-# hold int64 values above 2**24; torch's float32 norm kernel is ~1e-5 off on 2**20 uniform
-# values (measured); and the old std, sqrt((sum x^2 - n mean^2) / (n - 1)) in float32, loses
-# ~1e-7 (mean/std)^2 relative: on 4096 values of std 1e-3, 0 at mean 1e4, 4.8x the std at
-# mean 10, 16% off at mean 1. Every float dtype, bool and integer below 2**53 converts to
-# float64 exactly, so each sum below is a float64 reduction of the very values, and the
-# statistics agree with torch's float64 reductions of t.double() to the rounding of float64
-# sums (the tests allow max(1e-13, n * 2**-53) relative; 7.6e-14 measured on 1.6M values
-# against exact rational arithmetic).
-#
-# Cost: converting, one write of 8 bytes per element, then float64 passes (torch.sum and BLAS
-# torch.dot, both faster than torch.linalg.vector_norm on float64; torch.var_mean's Welford
-# slower still; CPU reductions with dtype=torch.float64 copy the whole input first). The CPU
-# converts in chunks of _CHUNK elements into two float64 buffers of this thread that every call
-# reuses (2 x 2 MiB, kept for the thread's life): fresh float64 tensors took 4x as long, since
-# glibc gave their pages back after each free (1557 page faults per ResNet-18 forward, the size
-# of its 64x112x112 output in float64, measured). Their views are cached per shape, as outputs
-# repeat their shapes every forward. GPUs allocate from PyTorch's cache and convert whole
-# tensors at once.
-_CHUNK = 1 << 18
-_local = threading.local()
-
-
-def _views(shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """This thread's first float64 buffer viewed as ``shape`` and flat, and its second flat."""
-    views = getattr(_local, "views", None)
-    if views is None:
-        with torch.inference_mode(False):  # a normal tensor: writable in and out of the mode
-            _local.buf = torch.empty(2, _CHUNK, dtype=torch.float64)
-        views = _local.views = {}
-    v = views.get(shape)
-    if v is None:
-        if len(views) >= 1024:  # shapes that vary without end (say, sequence lengths)
-            views.clear()
-        flat = _local.buf[0, :shape.numel()]
-        v = views[shape] = (flat.view(shape), flat, _local.buf[1, :shape.numel()])
-    return v
-
-
-def _sums(x: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, int]:
-    """Float64 partial results on x's device, as one 1-d tensor laid out for ``_finish``, and
-    the number of chunks. x is not empty."""
-    parts: list[torch.Tensor] = []
-    chunks = _moments(x, plan, parts) if plan.std or plan.mean or plan.l2 or plan.mean_abs else 0
-    if plan.extremes:
-        # exact in the output's own dtype (aminmax has no bool kernel: bool viewed as uint8)
-        lo, hi = torch.aminmax(x.view(torch.uint8) if x.dtype == torch.bool else x)
-        parts += [lo.double(), hi.double()]
-    return torch.stack(parts), chunks
-
-
-def _moments(x: torch.Tensor, plan: _Plan, parts: list[torch.Tensor]) -> int:
-    """Appends to ``parts`` the sums ``plan`` asks for (for std, the shift first); returns the
-    number of chunks."""
-    n = x.numel()
-    if x.device.type != "cpu" or type(x) is not torch.Tensor:  # GPU, or a fake/other subclass
-        chunks = [(x, None)]
-    elif n <= _CHUNK:
-        chunks = [(x, _views(x.shape))]
-    else:  # x.reshape(-1): a view, or (not contiguous) one copy in x's own dtype
-        chunks = [(c, _views(c.shape)) for c in x.reshape(-1).split(_CHUNK)]
-    shift = None
-    for c, views in chunks:
-        own = c.dtype != torch.float64  # d is then a copy of c that may change in place
-        if not own:
-            d = c.reshape(-1)
-        elif views is None:
-            d = c.double().reshape(-1)  # exact: every float dtype, bool, integers below 2**53
-        else:
-            views[0].copy_(c)
-            d = views[1]
-        if plan.std:
-            # Shifted by the mean of the first m = min(n, 1024) values, which by Cauchy-Schwarz
-            # lies within sqrt((n - m) / m) standard deviations of the mean, so that
-            # sum (x - shift)^2 - (sum (x - shift))^2 / n cancels at most a factor n / m,
-            # whatever mean/std is: 2**-53 n / 1024 relative at worst, below the rounding of
-            # the n-term sums themselves. The second term corrects the shift's own rounding
-            # (the corrected two-pass algorithm, its first pass over m values only).
-            if shift is None:
-                shift = d[:1024].mean()
-                parts.append(shift)
-            dev = d - shift if views is None else torch.sub(d, shift, out=views[2])
-            parts += [dev.sum(), torch.dot(dev, dev)]
-        elif plan.mean:
-            parts.append(d.sum())
-        if plan.l2 and not plan.std:
-            parts.append(torch.dot(d, d))
-        if plan.mean_abs:
-            a = (d.abs_() if own else d.abs() if views is None else  # never the model's own
-                 torch.abs(d, out=views[1]))
-            parts.append(a.sum())
-    return len(chunks)
-
-
-def _finish(plan: _Plan, n: int, chunks: int, raw: list[float]) -> dict[str, float]:
-    """The statistics from ``_sums``'s partial results, in Python's float64 arithmetic."""
-    it = iter(raw)
-    shift = next(it) if plan.std else 0.0
-    sums, dev_squares, squares, abs_sums = [], [], [], []
-    for _ in range(chunks):
-        if plan.mean:
-            sums.append(next(it))
-        if plan.std:
-            dev_squares.append(next(it))
-        if plan.l2 and not plan.std:
-            squares.append(next(it))
-        if plan.mean_abs:
-            abs_sums.append(next(it))
-    out = {"numel": n}
-    if plan.mean:
-        out["mean"] = shift + sum(sums) / n
-    if plan.std:  # n > 1. The variance is >= 0 in exact arithmetic (Cauchy-Schwarz); a
-        # constant tensor can round below 0. max() keeps a nan.
-        var = (sum(dev_squares) - sum(sums) ** 2 / n) / (n - 1)
-        out["std"] = math.sqrt(max(var, 0.0))
-    if plan.l2:
-        # with std: sum x^2 = sum (x - shift)^2 + 2 shift sum (x - shift) + n shift^2 saves a
-        # pass; with |mean - shift| <= k std, k = sqrt((n - m) / m) (see _moments), it cancels
-        # at most a factor 1 + k + 2 k^2 <= 2 n / m
-        out["l2"] = math.sqrt(sum(squares) if not plan.std else
-                              sum(dev_squares) + 2 * shift * sum(sums) + n * shift * shift)
-        out["rms"] = out["l2"] / math.sqrt(n)
-    if plan.mean_abs:
-        out["mean_abs"] = sum(abs_sums) / n
-    if plan.extremes:
-        out["min"], out["max"] = next(it), next(it)
-    return out
-
-
 def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """(path, tensor) for every tensor in a nested output; other members are skipped."""
     if isinstance(value, torch.Tensor):
@@ -494,3 +300,200 @@ def _select(named: list[tuple[str, nn.Module]], selectors: Any,
                                 f"; modules start with {names[:5]}"))
         chosen.update(hits)
     return chosen
+
+
+# -- statistics: float64 sums on the device, turned into numbers on the host when first read --
+
+
+_NAN = float("nan")
+
+
+class _Plan(NamedTuple):
+    """What the device sums for a set of statistics (see ``_moments``)."""
+
+    std: bool  # the shift, and per chunk sum (x - shift) and sum (x - shift)^2
+    mean: bool  # per chunk sum (x - shift), or sum x when std is not wanted
+    l2: bool  # per chunk sum x^2 (l2, rms), unless std's sums give it
+    mean_abs: bool  # per chunk sum |x|
+    extremes: bool  # min and max, at the end
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def of(which: tuple[str, ...], n: int) -> _Plan:  # n: the numel, or 2 for any n > 1
+        w = set(which) if n else set()  # an empty tensor: nothing to compute
+        return _Plan("std" in w and n > 1, bool(w & {"mean", "std"}) and (n > 1 or "mean" in w),
+                     bool(w & {"l2", "rms"}), "mean_abs" in w, bool(w & {"min", "max"}))
+
+
+class _Stats:
+    """The statistics of one tensor. The device computes float64 sums (``_sums``), which the host
+    turns into statistics (``_finish``) when first asked for: a hook that synchronised on every
+    module call would stall a GPU pipeline, so ``ActivationCapture.table`` reads all of a
+    forward's at once (``_read_all``). What the host knows is never computed: numel, and nan
+    for every statistic of an empty tensor and for the std of one element (Bessel's correction
+    divides by n - 1 = 0: nan, as torch.std)."""
+
+    def __init__(self, which: tuple[str, ...], t: torch.Tensor) -> None:
+        x = t.detach()
+        self.which, self.n = which, x.numel()
+        self.plan = _Plan.of(which, min(self.n, 2))
+        self.pending, self.chunks = _sums(x, self.plan) if any(self.plan) else (None, 0)
+        self.values: dict[str, float] | None = None  # once read
+
+    def resolve(self) -> dict[str, float]:
+        _read_all([self])  # read once, then kept
+        return dict(self.values)
+
+    def _fill(self, raw: list[float]) -> None:
+        values = _finish(self.plan, self.n, self.chunks, raw)
+        self.values = {s: values.get(s, _NAN) for s in self.which}
+        self.pending = None
+
+
+def _read_all(stats: Iterable[_Stats]) -> None:
+    """Read every unread ``_Stats`` with one device-to-host copy per device (one sync), not
+    one per record."""
+    by_device: dict[torch.device, list[_Stats]] = {}
+    for st in stats:
+        if st.values is not None:
+            continue
+        if st.pending is None:  # nothing computed on the device
+            st._fill([])
+        else:
+            by_device.setdefault(st.pending.device, []).append(st)
+    for group in by_device.values():
+        raw, start = torch.cat([st.pending for st in group]).tolist(), 0
+        for st in group:
+            end = start + st.pending.numel()
+            st._fill(raw[start:end])
+            start = end
+
+
+# Why float64: float32 arithmetic cannot meet any useful tolerance on plausible outputs. Float32
+# L2 norms and sums overflow for values near 1e38 and square subnormals to 0; float32 cannot
+# hold int64 values above 2**24; torch's float32 norm kernel is ~1e-5 off on 2**20 uniform
+# values (measured); and the old std, sqrt((sum x^2 - n mean^2) / (n - 1)) in float32, loses
+# ~1e-7 (mean/std)^2 relative: on 4096 values of std 1e-3, 0 at mean 1e4, 4.8x the std at
+# mean 10, 16% off at mean 1. Every float dtype, bool and integer below 2**53 converts to
+# float64 exactly, so each sum below is a float64 reduction of the very values, and the
+# statistics agree with torch's float64 reductions of t.double() to the rounding of float64
+# sums (the tests allow max(1e-13, n * 2**-53) relative; 7.6e-14 measured on 1.6M values
+# against exact rational arithmetic).
+#
+# Cost: converting, one write of 8 bytes per element, then float64 passes (torch.sum and BLAS
+# torch.dot, both faster than torch.linalg.vector_norm on float64; torch.var_mean's Welford
+# slower still; CPU reductions with dtype=torch.float64 copy the whole input first). The CPU
+# converts in chunks of _CHUNK elements into two float64 buffers of this thread that every call
+# reuses (2 x 2 MiB, kept for the thread's life): fresh float64 tensors took 4x as long, since
+# glibc gave their pages back after each free (1557 page faults per ResNet-18 forward, the size
+# of its 64x112x112 output in float64, measured). Their views are cached per shape, as outputs
+# repeat their shapes every forward. GPUs allocate from PyTorch's cache and convert whole
+# tensors at once.
+_CHUNK = 1 << 18
+_local = threading.local()
+
+
+def _views(shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This thread's first float64 buffer viewed as ``shape`` and flat, and its second flat."""
+    views = getattr(_local, "views", None)
+    if views is None:
+        with torch.inference_mode(False):  # a normal tensor: writable in and out of the mode
+            _local.buf = torch.empty(2, _CHUNK, dtype=torch.float64)
+        views = _local.views = {}
+    v = views.get(shape)
+    if v is None:
+        if len(views) >= 1024:  # shapes that vary without end (say, sequence lengths)
+            views.clear()
+        flat = _local.buf[0, :shape.numel()]
+        v = views[shape] = (flat.view(shape), flat, _local.buf[1, :shape.numel()])
+    return v
+
+
+def _sums(x: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, int]:
+    """Float64 partial results on x's device, as one 1-d tensor laid out for ``_finish``, and
+    the number of chunks. x is not empty."""
+    parts: list[torch.Tensor] = []
+    chunks = _moments(x, plan, parts) if plan.std or plan.mean or plan.l2 or plan.mean_abs else 0
+    if plan.extremes:
+        # exact in the output's own dtype (aminmax has no bool kernel: bool viewed as uint8)
+        lo, hi = torch.aminmax(x.view(torch.uint8) if x.dtype == torch.bool else x)
+        parts += [lo.double(), hi.double()]
+    return torch.stack(parts), chunks
+
+
+def _moments(x: torch.Tensor, plan: _Plan, parts: list[torch.Tensor]) -> int:
+    """Appends to ``parts`` the sums ``plan`` asks for (for std, the shift first); returns the
+    number of chunks."""
+    n = x.numel()
+    if x.device.type != "cpu" or type(x) is not torch.Tensor:  # GPU, or a fake/other subclass
+        chunks = [(x, None)]
+    elif n <= _CHUNK:
+        chunks = [(x, _views(x.shape))]
+    else:  # x.reshape(-1): a view, or (not contiguous) one copy in x's own dtype
+        chunks = [(c, _views(c.shape)) for c in x.reshape(-1).split(_CHUNK)]
+    shift = None
+    for c, views in chunks:
+        own = c.dtype != torch.float64  # d is then a copy of c that may change in place
+        if not own:
+            d = c.reshape(-1)
+        elif views is None:
+            d = c.double().reshape(-1)  # exact: every float dtype, bool, integers below 2**53
+        else:
+            views[0].copy_(c)
+            d = views[1]
+        if plan.std:
+            # Shifted by the mean of the first m = min(n, 1024) values, which by Cauchy-Schwarz
+            # lies within sqrt((n - m) / m) standard deviations of the mean, so that
+            # sum (x - shift)^2 - (sum (x - shift))^2 / n cancels at most a factor n / m,
+            # whatever mean/std is: 2**-53 n / 1024 relative at worst, below the rounding of
+            # the n-term sums themselves. The second term corrects the shift's own rounding
+            # (the corrected two-pass algorithm, its first pass over m values only).
+            if shift is None:
+                shift = d[:1024].mean()
+                parts.append(shift)
+            dev = d - shift if views is None else torch.sub(d, shift, out=views[2])
+            parts += [dev.sum(), torch.dot(dev, dev)]
+        elif plan.mean:
+            parts.append(d.sum())
+        if plan.l2 and not plan.std:
+            parts.append(torch.dot(d, d))
+        if plan.mean_abs:
+            a = (d.abs_() if own else d.abs() if views is None else  # never the model's own
+                 torch.abs(d, out=views[1]))
+            parts.append(a.sum())
+    return len(chunks)
+
+
+def _finish(plan: _Plan, n: int, chunks: int, raw: list[float]) -> dict[str, float]:
+    """The statistics from ``_sums``'s partial results, in Python's float64 arithmetic."""
+    it = iter(raw)
+    shift = next(it) if plan.std else 0.0
+    sums, dev_squares, squares, abs_sums = [], [], [], []
+    for _ in range(chunks):
+        if plan.mean:
+            sums.append(next(it))
+        if plan.std:
+            dev_squares.append(next(it))
+        if plan.l2 and not plan.std:
+            squares.append(next(it))
+        if plan.mean_abs:
+            abs_sums.append(next(it))
+    out = {"numel": n}
+    if plan.mean:
+        out["mean"] = shift + sum(sums) / n
+    if plan.std:  # n > 1. The variance is >= 0 in exact arithmetic (Cauchy-Schwarz); a
+        # constant tensor can round below 0. max() keeps a nan.
+        var = (sum(dev_squares) - sum(sums) ** 2 / n) / (n - 1)
+        out["std"] = math.sqrt(max(var, 0.0))
+    if plan.l2:
+        # with std: sum x^2 = sum (x - shift)^2 + 2 shift sum (x - shift) + n shift^2 saves a
+        # pass; with |mean - shift| <= k std, k = sqrt((n - m) / m) (see _moments), it cancels
+        # at most a factor 1 + k + 2 k^2 <= 2 n / m
+        out["l2"] = math.sqrt(sum(squares) if not plan.std else
+                              sum(dev_squares) + 2 * shift * sum(sums) + n * shift * shift)
+        out["rms"] = out["l2"] / math.sqrt(n)
+    if plan.mean_abs:
+        out["mean_abs"] = sum(abs_sums) / n
+    if plan.extremes:
+        out["min"], out["max"] = next(it), next(it)
+    return out
