@@ -42,7 +42,8 @@ Compression (``compress``), float32 tensors only, never parameters or non-float 
 * ``"bf16"``: rounded to bfloat16; each element within 2**-8 of itself (relative): bfloat16
   keeps 8 significant bits and rounds to nearest, half an ulp of 2**-7 relative;
 * ``"int8"``: per tensor, ``q = round(x / s)`` with ``s = max|x| / 127``; each element within
-  ``s / 2`` (absolute). An all-zero tensor is stored as zeros.
+  ``s / 2`` (absolute), and float32's rounding of ``s``, ``x / s`` and ``q * s``: at most
+  ``(1 + 2**-15) s / 2``. An all-zero tensor is stored as zeros.
 
 Backward then differentiates at the decompressed values, so gradients differ from the exact
 ones by what the formulas do with those errors; tests/mechanisms/test_activation_offload.py states

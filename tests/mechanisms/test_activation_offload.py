@@ -213,12 +213,16 @@ def test_bad_arguments_are_refused(bad, error):
 
 # -- compressed: within the derived bound --------------------------------------------------------
 
+# Drawn from a generator of their own, at import: the global RNG's state at collection time
+# depends on what was collected before (a run of 5f235af drew a "huge" tensor that the int8
+# bound, then missing float32's rounding, failed).
+_G = torch.Generator().manual_seed(0)
 ADVERSARIAL = {
-    "large mean, tiny spread": 1e4 + 1e-3 * torch.randn(4096),
-    "huge": 3e38 * torch.rand(4096),
-    "tiny": 1e-30 * torch.randn(4096),
+    "large mean, tiny spread": 1e4 + 1e-3 * torch.randn(4096, generator=_G),
+    "huge": 3e38 * torch.rand(4096, generator=_G),
+    "tiny": 1e-30 * torch.randn(4096, generator=_G),
     "zeros": torch.zeros(4096),
-    "one outlier": torch.cat([torch.randn(4095), torch.tensor([1e6])]),
+    "one outlier": torch.cat([torch.randn(4095, generator=_G), torch.tensor([1e6])]),
 }
 
 
@@ -231,8 +235,11 @@ def test_compressed_values_stay_within_the_bound_of_each_mode(data):
         if mode == "bf16":  # 8 significant bits, round to nearest: half an ulp, 2**-8 relative
             assert bool((err <= 2.0**-8 * data.double().abs()).all())
         else:  # per-tensor scale s = max|x| / 127: half a step, s / 2, plus float32 rounding
+            # of s, of x / s (which can round q to the other side: 127 * 2**-24 of a step) and
+            # of q * s, at most 509 * 2**-24 of s / 2 together; 6.8e-6 measured over 900
+            # tensors of 3 kinds, where the old bound (1 + 1e-6) failed 4
             s = data.double().abs().max() / 127
-            assert bool((err <= s / 2 * (1 + 1e-6) + 1e-45).all())
+            assert bool((err <= s / 2 * (1 + 2**-15) + 1e-45).all())
 
 
 def test_compression_leaves_non_float32_tensors_exact():
