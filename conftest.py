@@ -31,9 +31,11 @@ CI variable is set), ``dev`` (the default otherwise: fewer examples), ``thorough
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 from importlib.metadata import entry_points
+from typing import Iterator
 
 import pytest
 import torch
@@ -70,6 +72,10 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--hookbench-fault"):
         settings.load_profile("fault")
+    # What collection draws (a module's constants) is the same every run; torch would seed
+    # its generator at random in each process. Tests and wider fixtures start from seed 0.
+    torch.manual_seed(0)
+    random.seed(0)
     # pytest-benchmark stores runs in ./.benchmarks relative to the current directory; the
     # committed baselines live in baselines/benchmarks, wherever pytest is started from.
     if config.getoption("benchmark_storage", None) == "file://./.benchmarks":
@@ -192,9 +198,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             ))
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    """Every test starts from seed 0 and leaves the global RNGs as it found them."""
+@contextlib.contextmanager
+def _seeded() -> Iterator[None]:
+    """The block from seed 0 (torch's and Python's), the global RNGs as they were after it."""
     torch_state, py_state = torch.random.get_rng_state(), random.getstate()
     torch.manual_seed(0)
     random.seed(0)
@@ -203,6 +209,13 @@ def _seed():
     finally:
         torch.random.set_rng_state(torch_state)
         random.setstate(py_state)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    """Every test starts from seed 0 and leaves the global RNGs as it found them."""
+    with _seeded():
+        yield
 
 
 # The hook-leak guard. One tracker for the whole session weakly records every module and
@@ -234,20 +247,25 @@ def _fail_on_leaks(guard: HookLeakGuard, what: str) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureRequest):
-    """A module-, class-, package- or session-scoped fixture removes, by the end of its
-    teardown, the hooks it added in its setup; an error at that teardown names those left."""
-    tracker = request.config.stash.get(_HOOK_TRACKER, None)
-    if tracker is None or fixturedef.scope == "function":  # the test's own guard covers these
+    """A module-, class-, package- or session-scoped fixture sets up from seed 0, as a test
+    does (torch seeds its generator at random in each process, and whatever ran before would
+    decide its numbers), and removes, by the end of its teardown, the hooks it added in its
+    setup; an error at that teardown names those left."""
+    if fixturedef.scope == "function":  # the test's own seed and guard cover these
         return (yield)
-    guard = HookLeakGuard(tracker)
-    # Added before the fixture's own teardown is, so it runs after it.
-    request.addfinalizer(lambda: _fail_on_leaks(
-        guard, f"the teardown of {fixturedef.scope}-scoped fixture '{fixturedef.argname}'"))
-    try:
-        with guard:
+    tracker = request.config.stash.get(_HOOK_TRACKER, None)
+    with _seeded():
+        if tracker is None:
             return (yield)
-    finally:
-        guard.release()  # what the fixture returns stays alive through its teardown anyway
+        guard = HookLeakGuard(tracker)
+        # Added before the fixture's own teardown is, so it runs after it.
+        request.addfinalizer(lambda: _fail_on_leaks(
+            guard, f"the teardown of {fixturedef.scope}-scoped fixture '{fixturedef.argname}'"))
+        try:
+            with guard:
+                return (yield)
+        finally:
+            guard.release()  # what the fixture returns stays alive through its teardown anyway
 
 
 @pytest.fixture(autouse=True)
