@@ -132,12 +132,13 @@ def merged(ranks: list[dict[str, str]]) -> dict[str, str]:
     return {key: next((r[key] for r in ranks if r[key] != "ok"), "ok") for key in ranks[0]}
 
 
-def run_matrix(fault: str | None = None, timeout: float = 120) -> dict[str, str]:
-    """The whole matrix: ``world/pair -> outcome`` for 2 and 3 gloo ranks."""
+def run_matrix(fault: str | None = None, timeout: float = 120,
+               worlds: tuple[int, ...] = WORLDS) -> dict[str, str]:
+    """The whole matrix: ``world/pair -> outcome`` for 2 and 3 gloo ranks (or ``worlds``)."""
     from hookbench.core import launch
 
     out = {}
-    for world in WORLDS:
+    for world in worlds:
         for key, outcome in merged(launch.run(matrix, world, fault, timeout=timeout)).items():
             out[f"{world} ranks/{key}"] = outcome
     return out

@@ -55,6 +55,9 @@ def test_the_committed_checkpoints_resume_as_recorded(base, resumed):
         assert all("continuation identical" in cells[-1] for cells, _ in section.rows)
 
 
+# slow: 2 ranks, about 6 s; the default tier resumes every other committed file
+# (committed_checkpoints_resume), and the gate's checkpoints section resumes these too
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_the_sharded_zero2_checkpoints_resume_on_2_ranks_as_recorded(base):
     now = checkpoints.resume(FOLDER, families=("adam", "sgd"))

@@ -89,6 +89,9 @@ def test_standard_foreach_step_is_about_6_gb(vit_l, vit_l_sizes):
     assert r.peak == sum(b.values())
 
 
+# slow: two more ViT-L/16 steps, about 6 s; the default tier keeps the foreach step's
+# breakdown (about_6_gb) and every strategy's floor
+@pytest.mark.slow
 def test_standard_forloop_and_fused_steps_have_their_own_breakdown(vit_l, vit_l_sizes):
     P, n, largest = vit_l_sizes
     state = 2 * P + 512 * n
