@@ -87,6 +87,8 @@ def gated(args: argparse.Namespace) -> tuple[list[Workload], tuple[str, ...], st
     if "workloads" in sections and not workloads and args.sections:
         raise ValueError("the workloads section needs --workload package.module:attribute, or "
                          "workloads in [tool.hookbench] of pyproject.toml")
+    for w in workloads:  # a broken workload: one line, exit 2, before anything is measured
+        w.check(shares=gate.workload_checks.ZERO2_RANKS)
     baseline = args.baseline or config.get("baseline")
     if baseline is None and workloads:
         raise ValueError("name the baseline of your workloads: --baseline PATH, or baseline "

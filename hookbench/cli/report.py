@@ -17,9 +17,9 @@ from hookbench.core import names
 from hookbench.core.prerequisites import attempt
 from hookbench.core.workload import Workload, checkpointed
 from hookbench.gate import checks, workload_checks
-from hookbench.gate.workload_checks import refusal, refused_words
+from hookbench.gate.workload_checks import not_applicable, refusal, refused_words
 from hookbench.measure import plot
-from hookbench.measure.memory import format_bytes, measure
+from hookbench.measure.memory import format_bytes, measure_or_fall_back
 
 
 def _adds(spec: Workload, changes: dict[str, Any], own: bool) -> bool:
@@ -40,6 +40,8 @@ def run(args: argparse.Namespace) -> int:
     backend = common.backend(args.device)
     chosen = common.chosen(args.sections, names.REPORT_SECTIONS, "report sections")
     spec = common.one_workload(args)
+    if args.workload:  # a broken workload: one line, exit 2, before anything is measured
+        spec.check(shares=workload_checks.ZERO2_RANKS if "zero2" in chosen else 1)
     out = common.output_dir(args.out)
     sections, results, written = [], [], [out / "report.json"]
     own = bool(args.workload)  # a user's workload: its own rows in place of the built-in's
@@ -60,10 +62,14 @@ def run(args: argparse.Namespace) -> int:
             f"submodule's output)", workload_checks.capture(spec)))
     if "memory" in chosen:
         stopped: dict[str, dict[str, str]] = {}
+        fallbacks: set[str] = set()
         rows = [(s, s, {}) for s in report.MEMORY_STRATEGIES] + [
             (label, strategy, changes) for label, strategy, changes, _ in report.SAVING_ROWS
             if _adds(spec, changes, own)]
         for label, strategy, changes in rows:
+            if not_applicable(spec, strategy):  # an optimizer without that implementation
+                stopped[label] = {"not_applicable": not_applicable(spec, strategy)}
+                continue
             started = time.perf_counter()
             common.progress(f"measuring {spec.name} batch {spec.batch_size}, {label}, "
                       f"backend {backend} ...")
@@ -71,9 +77,14 @@ def run(args: argparse.Namespace) -> int:
                         if backend == "cuda" else None)
             measured = spec.replace(**changes)
             measured = measured.replace(compile=None) if backend == "fake" else measured
-            got = attempt(lambda: {"result": dataclasses.replace(
-                measure(measured, strategy, backend=backend, snapshot_path=snapshot),
-                strategy=label)})
+            def one() -> dict[str, Any]:
+                result, fallback = measure_or_fall_back(measured, strategy, backend=backend,
+                                                        snapshot_path=snapshot)
+                if fallback:
+                    fallbacks.add(fallback)
+                return {"result": dataclasses.replace(result, strategy=label)}
+
+            got = attempt(one)
             why = refusal(spec, strategy)
             if why:  # it must refuse, before it changes anything
                 got = ({"refused": f"{refused_words(got['error'])} ({why})"}
@@ -88,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
             common.progress(f"  peak {format_bytes(results[-1].peak, 4)} "
                       f"({time.perf_counter() - started:.1f} s)")
         sections.append(report.memory_section(results, stopped, spec.optimizer[0].__name__))
+        if fallbacks:  # each strategy falls back for the same reason: say it once
+            sections[-1].title += "; " + "; ".join(sorted(fallbacks))
         if results:
             written.insert(0, plot.memory_timeline(results, out / "memory.png"))
     if "zero2" in chosen:

@@ -33,7 +33,18 @@ __all__ = ["RankFailed", "beside", "free_port", "run"]
 
 
 class RankFailed(RuntimeError):
-    """A rank raised; the message carries its traceback."""
+    """A rank raised; the message carries its traceback, ``summary`` the one line a verdict
+    row shows: which rank failed first, and its exception."""
+
+    @property
+    def summary(self) -> str:
+        lines = [line for line in str(self).splitlines() if line.strip()]
+        if len(lines) < 2:
+            return lines[0] if lines else ""
+        # the first rank's block: its header line, then its traceback up to the next header
+        end = next((i for i, line in enumerate(lines[1:], 1) if " failed" in line
+                    and line.startswith("rank ")), len(lines))
+        return f"{lines[0]} {lines[end - 1].strip()}"
 
 
 def free_port() -> int:
@@ -98,9 +109,16 @@ def _traceback(raw: bytes) -> str:
 
 def _spawn(first: int, world_size: int, timeout: float, out: str, backend: str,
            fn: Callable[..., Any], args: tuple, port: int) -> Any:
-    return mp.start_processes(
-        _worker, args=(first, world_size, port, timeout, out, backend, fn, args),
-        nprocs=world_size - first, join=False, start_method="spawn")
+    # The ranks' C++ warnings (DDP's find_unused_parameters advice, printed from the autograd
+    # thread on every run) are left out unless the caller asks for them: errors still print.
+    level = os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    try:
+        return mp.start_processes(
+            _worker, args=(first, world_size, port, timeout, out, backend, fn, args),
+            nprocs=world_size - first, join=False, start_method="spawn")
+    finally:
+        if level == "ERROR" and os.environ.get("TORCH_CPP_LOG_LEVEL") == "ERROR":
+            del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
 def _join(context: Any, first: int, world_size: int, timeout: float, out: str) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["MissingPrerequisite", "attempt"]
+__all__ = ["MissingPrerequisite", "attempt", "one_line"]
 
 
 class MissingPrerequisite(Exception):
@@ -27,4 +27,13 @@ def attempt(fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     except MissingPrerequisite as e:
         return {"skipped": str(e)}
     except Exception as e:  # noqa: BLE001 - a failed row that says why, e.g. a hook that
-        return {"error": f"{type(e).__name__}: {e}"}  # fired twice, refused
+        return {"error": one_line(e)}  # fired twice, refused
+
+
+def one_line(e: BaseException) -> str:
+    """``Type: message`` in one line, as a row shows an exception: no traceback (a failed
+    rank's is summed up by its ``summary``: which rank, and its exception), the message's
+    first line."""
+    text = getattr(e, "summary", None) or next(
+        (line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return f"{type(e).__name__}: {text}"

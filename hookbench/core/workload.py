@@ -74,6 +74,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hookbench.core.prerequisites import one_line
 from hookbench.mechanisms.activation_offload import ActivationOffload
 
 __all__ = ["CHECKPOINTING", "OFFLOAD", "PRECISIONS", "Workload", "checkpointed", "configured",
@@ -193,6 +194,50 @@ class Workload:
             raise TypeError(f"Workload {self.name!r}: inputs must be a tensor, a tuple of "
                             f"tensors or a dict of them, and target a tensor")
         return inputs, target
+
+    def check(self, shares: int = 1) -> None:
+        """Build the model and run the forward and loss of batch 0 once, before anything is
+        measured, so that a broken workload is told once and not on every row: a
+        ``ValueError`` in one line naming the workload, the function and the problem (a
+        factory, batch function, forward or loss that raises; a batch that does not split
+        over ``shares`` data-parallel ranks; a loss that is not a finite scalar depending on
+        the parameters). A compiled workload is checked eager (compiling takes long)."""
+        def call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
+            try:
+                return fn(*args)
+            except Exception as e:  # noqa: BLE001 - the user's function: say which raised
+                raise ValueError(f"workload {self.name!r}: {what} raised {one_line(e)}") from None
+
+        eager = self.replace(compile=None)
+        model = call("model()", eager.build)
+        inputs, target = call("batch(generator)", self.data, 0)
+        rows = len(target) if target.dim() else 0
+        if rows % shares or rows < shares:
+            raise ValueError(f"workload {self.name!r}: batch(generator) gives a target of "
+                             f"{rows} rows, which does not split over {shares} data-parallel "
+                             f"ranks; make the batch a multiple of {shares}")
+        named = (inputs.items() if isinstance(inputs, dict) else enumerate(
+            inputs if isinstance(inputs, tuple) else (inputs,)))
+        for key, t in named:
+            if t.dim() == 0 or len(t) != rows:
+                raise ValueError(f"workload {self.name!r}: batch(generator)'s input {key!r} "
+                                 f"has shape {tuple(t.shape)}, the target {rows} rows: each "
+                                 f"input is cut along its first dimension for the ranks")
+        with self.forward_rng(0), self.autocast("cpu"):
+            output = call("the model's forward", self.forward, model, inputs)
+            loss = call("loss(output, target)", self.loss, output, target)
+        if not torch.is_tensor(loss) or loss.numel() != 1 or loss.dim() > 0:
+            what = (f"a tensor of shape {tuple(loss.shape)}" if torch.is_tensor(loss)
+                    else type(loss).__name__)
+            raise ValueError(f"workload {self.name!r}: loss(output, target) returned {what}, "
+                             f"not a scalar tensor (reduce it, e.g. with .mean())")
+        if not torch.isfinite(loss.detach()).item():
+            raise ValueError(f"workload {self.name!r}: loss(output, target) is "
+                             f"{float(loss.detach())} on batch 0, before any step: nothing "
+                             f"can be compared (check the model's initialisation and inputs)")
+        if not loss.requires_grad:
+            raise ValueError(f"workload {self.name!r}: loss(output, target) does not depend "
+                             f"on any parameter (no gradient would flow)")
 
     @property
     def batch_size(self) -> int:

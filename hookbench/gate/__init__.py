@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hookbench.core import names
+from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload
 from hookbench.gate import (baselines, checkpoints, collectives, compiled_hooks, emitted_warnings,
                             hooks, memory, numerics, offload, parity, step_time, workload_checks,
@@ -69,7 +70,7 @@ def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = 
                 try:
                     rows = section.measure(run)
                 except Exception as e:  # noqa: BLE001 - named in the section's one failed row
-                    rows = {CRASHED: f"{type(e).__name__}: {e}"}
+                    rows = {CRASHED: one_line(e)}
                 if rows is not None:
                     out[name] = rows
     return out
@@ -134,7 +135,7 @@ def _crash_safe(name: str, build: Callable[[], Section]) -> Section:
     try:
         return build()
     except Exception as e:  # noqa: BLE001 - one failed row naming it
-        return _stopped(name, f"{type(e).__name__}: {e}")
+        return _stopped(name, one_line(e))
 
 
 def gate(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from hookbench.core import launch
-from hookbench.core.prerequisites import attempt
+from hookbench.core.prerequisites import attempt, one_line
 from hookbench.gate.baselines import fingerprint
 from hookbench.gate.checks import Run, Section, trajectory_verdict
 from hookbench.measure import zero2_runs
@@ -214,7 +214,7 @@ def resume(directory: str | Path, families: tuple[str, ...] = tuple(FAMILIES),
             sharded = launch.run(_resume_zero2, WORLD, str(directory), families, fault,
                                  timeout=RANK_TIMEOUT)
         except Exception as e:  # noqa: BLE001 - every sharded row fails naming it
-            sharded = [{f: {"error": f"{type(e).__name__}: {e}"} for f in families}] * WORLD
+            sharded = [{f: {"error": one_line(e)} for f in families}] * WORLD
         for family in families:
             rows = [rank[family] for rank in sharded]
             errors = [f"rank {r}: {row['error']}" for r, row in enumerate(rows) if "error" in row]

@@ -44,18 +44,19 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from hookbench.core import launch
-from hookbench.core.prerequisites import attempt
+from hookbench.core.prerequisites import attempt, one_line
 from hookbench.core.workload import Workload
 from hookbench.gate.baselines import fingerprint
 from hookbench.gate.checks import Run, Section, trajectory_verdict
 from hookbench.gate.memory import amount, memory_verdict
-from hookbench.measure import zero2_runs
-from hookbench.measure.memory import measure as measure_step
-from hookbench.measure.parity import (NoiseBounds, Tolerance, compare, parameters_only,
-                                      rounding_level, tolerance, training, trajectory)
+from hookbench.measure import references, zero2_runs
+from hookbench.measure.memory import measure_or_fall_back
+from hookbench.measure.parity import Tolerance, accepts, compare, tolerance, trajectory
+from hookbench.mechanisms.zero2 import ELEMENTWISE
 
-__all__ = ["MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS", "bucket", "capture",
-           "measure_all", "memory", "refusal", "refused_words", "trajectories", "zero2"]
+__all__ = ["DESIGNED", "MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS", "bucket",
+           "capture", "forloop_options", "measure_all", "memory", "not_applicable", "refusal",
+           "refused_words", "trajectories", "zero2"]
 
 FAULTS = None
 
@@ -66,6 +67,10 @@ _REFERENCE = {"foreach": ("forloop", False), "in_backward": ("forloop", True),
               "in_backward_grouped": ("forloop", True),
               "in_backward_grouped_foreach": ("foreach", False),
               "in_backward_bucketed": ("foreach", False)}
+# The strategies that need the optimizer's foreach implementation; with a class that has none
+# (an optimizer outside torch.optim) they do not apply, and the bucketed mode steps each bucket
+# with the class's for-loop, bit for bit the for-loop step.
+_FOREACH = ("foreach", "in_backward_grouped_foreach")
 MEMORY_STRATEGIES = ("foreach", "in_backward", "zero2")
 STEPS = 3
 # Elements of each parameter stored for the comparison on another CPU (with its float64 norm):
@@ -82,8 +87,36 @@ _AUTOCAST_TOLERANCE = {"bf16": Tolerance(rtol=2e-3, atol=1e-4),
                        "fp16": Tolerance(rtol=2.5e-4, atol=1e-5)}
 
 
+def not_applicable(workload: Workload, strategy: str) -> str | None:
+    """Why ``strategy`` does not apply to the workload's optimizer, or None. The words name
+    the class, not the torch release, so that a recorded row stays the same across releases."""
+    cls = workload.optimizer[0]
+    for option, needs in (("foreach", _FOREACH), ("fused", ("fused",))):
+        if strategy in needs and not accepts(cls, option):
+            return (f"{cls.__module__}.{cls.__qualname__} takes no {option} option (its "
+                    f"for-loop is its only implementation)")
+    return None
+
+
+def _reference(workload: Workload, strategy: str) -> tuple[str, bool] | None:
+    if strategy == "in_backward_bucketed" and not accepts(workload.optimizer[0], "foreach"):
+        return "forloop", True
+    return _REFERENCE.get(strategy)
+
+
+def forloop_options(workload: Workload) -> dict[str, Any]:
+    """The workload's optimizer options for its for-loop implementation (``foreach=False``
+    where the class takes that option)."""
+    cls, kwargs = workload.optimizer
+    return {**kwargs, "foreach": False} if accepts(cls, "foreach") else dict(kwargs)
+
+
 def refusal(workload: Workload, strategy: str) -> str | None:
     """Why ``strategy`` refuses ``workload`` by design, or None."""
+    cls, kwargs = workload.optimizer
+    if strategy == "zero2" and cls not in ELEMENTWISE and kwargs.get("elementwise") is not True:
+        return (f"ZeRO-2 refuses {cls.__name__}: it steps 1-D pieces of parameters, and "
+                f"{cls.__name__} is not known to update them elementwise")
     if not strategy.startswith("in_backward"):
         return None
     if workload.precision == "fp16":
@@ -93,6 +126,10 @@ def refusal(workload: Workload, strategy: str) -> str | None:
         return ("the optimizer in backward refuses global gradient-norm clipping: the norm "
                 "needs every gradient before any parameter is stepped")
     return None
+
+
+# The rows of a designed outcome, and what each says.
+DESIGNED = {"refused": "refuses, as designed", "not_applicable": "does not apply"}
 
 
 def refused_words(error: str) -> str:
@@ -132,6 +169,8 @@ def trajectories(workload: Workload) -> dict[str, dict[str, Any]]:
     out = {}
     for strategy in STRATEGIES:
         def run(strategy: str = strategy) -> dict[str, Any]:
+            if not_applicable(workload, strategy):
+                return {"not_applicable": not_applicable(workload, strategy)}
             if refusal(workload, strategy):
                 return _refused(workload, strategy)
             runs[strategy] = trajectory(workload, cls, kwargs, strategy, steps=STEPS)
@@ -140,8 +179,8 @@ def trajectories(workload: Workload) -> dict[str, dict[str, Any]]:
             machine = _tolerance(workload, identical=False)
             row = {**fingerprint(runs[strategy], SAMPLE), "problems": [],
                    "tolerance": {"rtol": machine.rtol, "atol": machine.atol}}
-            if strategy in _REFERENCE:
-                reference, identical = _REFERENCE[strategy]
+            if _reference(workload, strategy):
+                reference, identical = _reference(workload, strategy)
                 if reference not in runs:
                     row["problems"].append(f"no {reference} run to compare with")
                     return row
@@ -163,51 +202,41 @@ def bucket(workload: Workload) -> int:
     return max(1, math.ceil(numel / 4))
 
 
-def _data_parallel(workload: Workload, kwargs: dict[str, Any]) -> tuple[list, NoiseBounds]:
-    """The reference for ZeRO-2: the for-loop step on the mean of the ranks' losses, each on
-    its share of the batch and its random numbers, in one process; and the bounds of the
-    elements whose gradient is at rounding level (``parity.rounding_level``), where Adam turns
-    another order of the same float32 additions into whole steps. Against the whole batch in
-    one forward, low precision would round differently (a bf16 mean over 8 rows is not the
-    mean of two bf16 means over 4); this way only the order of the fp32 gradient sum
-    differs."""
-    noise = NoiseBounds()
-    with training(workload, workload.optimizer[0], kwargs, "forloop") as run:
-        snapshots = []
-        for i in range(STEPS):
-            batches = [zero2_runs.local_batch(workload, i, r, ZERO2_RANKS, "cpu")
-                       for r in range(ZERO2_RANKS)]
-            keys = [(i, r) for r in range(ZERO2_RANKS)]
-            noise.add(run, rounding_level(workload, run.model, batches, keys))
-            run.step_on(batches, keys)
-            snapshots.append(run.snapshot())
-    return parameters_only(snapshots), noise
-
-
 def zero2(workloads: list[Workload], fault: str | None = None,
           timeout: float = 300.0) -> dict[str, dict[str, Any]]:
-    """ZeRO-2 on ``ZERO2_RANKS`` gloo ranks for every workload, from one start of the ranks (a
-    fault is injected inside them): parity with the for-loop step on the whole batch."""
-    cases = [dict(spec=w, optimizer_class=w.optimizer[0],
-                  kwargs={**w.optimizer[1], "foreach": False}, bucket_numel=bucket(w),
-                  steps=STEPS, fault=fault) for w in workloads]
-    ranks = launch.run(zero2_runs.trajectories, ZERO2_RANKS, cases, timeout=timeout)
+    """ZeRO-2 on ``ZERO2_RANKS`` gloo ranks for every workload, and torch's DDP beside it, from
+    one start of the ranks (a fault is injected into ZeRO-2 only): each judged against DDP and
+    the single process (``references.judge``), every hook once, no gradient left."""
+    cases = [dict(spec=w, optimizer_class=w.optimizer[0], kwargs=forloop_options(w),
+                  bucket_numel=bucket(w), steps=STEPS, fault=fault) for w in workloads]
+    ranks = launch.run(references.ranks, ZERO2_RANKS, references.with_ddp(cases),
+                       timeout=timeout)
     out = {}
     for i, (w, case) in enumerate(zip(workloads, cases)):
         def row(i: int = i, w: Workload = w, case: dict = case) -> dict[str, Any]:
             got = [rank[i] for rank in ranks]
+            ddp = [rank[len(cases) + i] for rank in ranks]
+            why = refusal(w, "zero2")
+            if any("refused" in g for g in got):
+                return ({"refused": refused_words(got[0]["refused"])} if why else
+                        {"problems": [f"ZeRO-2 refused: {got[0]['refused']}"]})
+            if why:
+                return {"problems": [f"ZeRO-2 trained the workload; it must refuse ({why})"]}
             problems = zero2_runs.rank_problems(got)
             if any(g["error"] for g in got):
                 return {"problems": problems}
-            reference, noise = _data_parallel(w, case["kwargs"])
+            if not compare(ddp[1]["snapshots"], ddp[0]["snapshots"]).bit_exact:
+                problems.append("DDP's ranks hold different parameters")
+            reference, rounding, note = references.single_process(
+                w, w.optimizer[0], case["kwargs"], STEPS, ZERO2_RANKS)
             # Another order of the fp32 gradient sum (and of a clipping norm): an ulp apart,
             # which autocast turns into a low-precision rounding now and then, as above.
             t = _AUTOCAST_TOLERANCE.get(w.precision, zero2_runs.TOLERANCE)
-            result = compare(got[0]["snapshots"], reference, t, noise.steps)
-            if not result.ok:
-                problems.append(f"vs single-process training: {result.verdict()}")
-            return {**fingerprint(got[0]["snapshots"], SAMPLE), "problems": problems,
-                    "parity": f"vs forloop on the ranks' shares: {result.verdict()}",
+            verdict = references.judge(w, got[0]["snapshots"], ddp[0]["snapshots"], reference,
+                                       rounding, note, t)
+            return {**fingerprint(got[0]["snapshots"], SAMPLE),
+                    "problems": problems + verdict["problems"], "parity": verdict["parity"],
+                    "noise_floor": verdict["noise_floor"],
                     "tolerance": {"rtol": t.rtol, "atol": t.atol}}
 
         out[f"{w.name}/zero2"] = attempt(row)
@@ -268,26 +297,31 @@ def memory(workload: Workload) -> dict[str, dict[str, Any]]:
     cls, kwargs = workload.optimizer
     measured: dict[str, Any] = {}
     out = {}
-    for strategy in MEMORY_STRATEGIES:
+    # The standard step: foreach, as on CUDA by default; an optimizer without it, its for-loop.
+    standard_step = "foreach" if accepts(cls, "foreach") else "forloop"
+    for strategy in (standard_step, *MEMORY_STRATEGIES[1:]):
         if refusal(workload, strategy):
-            continue  # the trajectory row checks the refusal
+            continue  # the trajectory and ZeRO-2 rows check the refusal
         def one(strategy: str = strategy) -> dict[str, Any]:
             zero = strategy == "zero2"
-            r = measure_step(eager, strategy, optimizer_class=cls,
-                             optimizer_kwargs={**kwargs, "bucket_numel": bucket(workload)}
-                             if zero else kwargs, world_size=ZERO2_MEMORY_WORLD if zero else 1)
+            r, fallback = measure_or_fall_back(
+                eager, strategy, optimizer_class=cls,
+                optimizer_kwargs={**kwargs, "bucket_numel": bucket(workload)} if zero
+                else kwargs, world_size=ZERO2_MEMORY_WORLD if zero else 1)
             measured[strategy] = r
             problems = []
-            standard = measured.get("foreach")
+            standard = measured.get(standard_step)
             # Not "<": where activations peak in backward (a small model, a long sequence),
             # both steps peak there, and the saving shows in the gradients alive instead.
             if strategy == "in_backward" and standard is not None and r.peak > standard.peak:
                 problems.append(f"costs memory: peak {r.peak} B > the standard step's "
                                 f"{standard.peak} B")
-            if strategy != "foreach" and r.all_gradients > 0 and not r.few_gradients_alive:
+            if (strategy != standard_step and r.all_gradients > 0
+                    and not r.few_gradients_alive):
                 problems.append(f"holds every gradient at once ({r.gradients_alive_max} B)")
             return {"peak": r.peak, "breakdown": r.peak_breakdown,
-                    "gradients_alive_max": r.gradients_alive_max, "problems": problems}
+                    "gradients_alive_max": r.gradients_alive_max, "problems": problems,
+                    "backend": r.backend, **({"fallback": fallback} if fallback else {})}
 
         out[f"{workload.name}/memory/{strategy}"] = attempt(one)
     return out
@@ -298,13 +332,15 @@ def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str
     names = [w.name for w in workloads]
     if len(set(names)) != len(names):
         raise ValueError(f"workload names must differ: {sorted(names)}")
+    for w in workloads:  # a broken workload raises here, once, not on every row
+        w.check(shares=ZERO2_RANKS)
     out: dict[str, Any] = {}
     for w in workloads:
         out.update(trajectories(w))
     try:
         out.update(zero2(workloads, fault))
     except Exception as e:  # noqa: BLE001 - a crashed or late rank fails the ZeRO-2 rows
-        out.update({f"{w.name}/zero2": {"error": f"{type(e).__name__}: {e}"}
+        out.update({f"{w.name}/zero2": {"error": one_line(e)}
                     for w in workloads})
     for w in workloads:
         out.update(capture(w))
@@ -325,16 +361,25 @@ def judge(base: dict, now: dict, run: Run) -> Section:
         if section.add_stopped(value, key):
             continue
         rec = base.get(key)
-        if "refused" in value:
-            ok = rec is not None and rec.get("refused") == value["refused"]
-            section.add(ok, key, f"refuses, as designed: {value['refused']}" if ok else
-                        f"CHANGED: now refuses ({value['refused']}); recorded "
-                        f"{'nothing' if rec is None else rec.get('refused', 'a run')}")
+        designed = next((k for k in DESIGNED if k in value), None)
+        if designed:  # a refusal or an option that does not apply: recorded, and must stay so
+            ok = rec is not None and rec.get(designed) == value[designed]
+            words = DESIGNED[designed]
+            section.add(ok, key, f"{words}: {value[designed]}" if ok else
+                        f"CHANGED: now {words} ({value[designed]}); recorded " + (
+                            "nothing" if rec is None else next(
+                                (f"{DESIGNED[k]} ({rec[k]})" for k in DESIGNED if k in rec),
+                                "a run")))
         elif value.get("problems"):
             section.add(False, key, "; ".join(value["problems"]))
         elif "peak" in value:
-            ok, verdict = memory_verdict(rec, value, "fake")
-            section.add(ok, key, f"peak {amount(value['peak'])}: {verdict}")
+            # like with like: a fake-backend baseline is not compared with real tensors
+            was, now_on = (rec or {}).get("backend", "fake"), value.get("backend", "fake")
+            ok, verdict = (memory_verdict(rec, value, "fake") if was == now_on else (
+                False, f"CHANGED backend: recorded on {was}, measured now on {now_on}"))
+            fallback = f" ({value['fallback']})" if value.get("fallback") else ""
+            section.add(ok, key, f"peak {amount(value['peak'])}, backend {now_on}: "
+                                 f"{verdict}{fallback}")
         elif "records" in value:  # capture: a module call more or less is a changed model
             ok = rec is not None and rec.get("records") == value["records"]
             section.add(ok, key, f"{value['records']} of {value['calls']} module calls "

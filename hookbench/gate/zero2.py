@@ -1,6 +1,7 @@
 """The gate's ``zero2`` section: ZeRO-2 on 2 gloo ranks (``hookbench.measure.zero2_runs``) per
-optimizer: parity with single-process training, the stored checksum (or else the tolerance),
-no gradient left on a parameter, every hook once per backward."""
+optimizer: bit for bit torch's DDP on the same shares (``hookbench.measure.references``),
+parity with single-process training, the stored checksum (or else the tolerance), no gradient
+left on a parameter, every hook once per backward."""
 
 from __future__ import annotations
 
@@ -9,19 +10,23 @@ from typing import Any
 from hookbench.core import launch
 from hookbench.gate.baselines import fingerprint
 from hookbench.gate.checks import Run, Section, trajectory_rows
-from hookbench.measure import zero2_runs
+from hookbench.measure import references, zero2_runs
 from hookbench.measure.parity import compare, parameters_only, trajectory
 
 FAULTS = None
 
 
 def run_ranks(faults: list[str | None]) -> dict[str | None, list]:
-    """Every rank's ZeRO-2 trajectories for each fault, from one start of 2 gloo ranks (the
-    fault is injected inside the ranks)."""
+    """Every rank's ZeRO-2 trajectories for each fault, and torch's DDP on the same cases (no
+    fault: the reference), from one start of 2 gloo ranks (the fault is injected inside the
+    ranks): per fault, per optimizer, (ZeRO-2's ranks, DDP's ranks)."""
+    clean = zero2_runs.parity_cases()
     cases = [case for fault in faults for case in zero2_runs.parity_cases(fault)]
-    ranks = launch.run(zero2_runs.trajectories, 2, cases, timeout=300)
-    n = len(zero2_runs.PARITY_OPTIMIZERS)
-    return {fault: [[rank[i * n + j] for rank in ranks] for j in range(n)]
+    ranks = launch.run(references.ranks, 2, [*cases, *references.with_ddp(clean)[len(clean):]],
+                       timeout=300)
+    n = len(clean)
+    ddp = [[rank[len(cases) + j] for rank in ranks] for j in range(n)]
+    return {fault: [([rank[i * n + j] for rank in ranks], ddp[j]) for j in range(n)]
             for i, fault in enumerate(faults)}
 
 
@@ -33,11 +38,16 @@ def measure(run: Run) -> dict[str, Any]:
     if isinstance(runs, BaseException):  # ``selfcheck``'s ranks crashed or ran late
         raise runs
     out = {}
-    for name, case, ranks in zip(zero2_runs.PARITY_OPTIMIZERS, zero2_runs.parity_cases(), runs):
+    for name, case, (ranks, ddp) in zip(zero2_runs.PARITY_OPTIMIZERS,
+                                        zero2_runs.parity_cases(), runs):
         problems = zero2_runs.rank_problems(ranks)
         if any(got["error"] for got in ranks):
             out[name] = {"problems": problems}
             continue
+        # fp32 on gloo, an elementwise optimizer, no clipping: DDP's arithmetic, bit for bit
+        against = compare(ranks[0]["snapshots"], ddp[0]["snapshots"])
+        if not against.ok:
+            problems.append(f"vs DDP on the same shares: {against.verdict()}")
         reference = parameters_only(trajectory(case["spec"], case["optimizer_class"],
                                                case["kwargs"], "forloop", steps=case["steps"]))
         parity = compare(ranks[0]["snapshots"], reference, zero2_runs.TOLERANCE)
@@ -49,5 +59,5 @@ def measure(run: Run) -> dict[str, Any]:
 
 def judge(base: dict, now: dict, run: Run) -> Section:
     return trajectory_rows(
-        "ZeRO-2 on 2 gloo ranks against single-process training and the stored checksum",
+        "ZeRO-2 on 2 gloo ranks against DDP, single-process training and the stored checksum",
         base, now, zero2_runs.TOLERANCE, run.machine_note)

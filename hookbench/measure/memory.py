@@ -25,6 +25,7 @@ at what the model and optimizer hold: parameters, ``p.grad``, optimizer state.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import pickle
@@ -47,7 +48,7 @@ from hookbench.mechanisms.activation_offload import copying_to_host
 from hookbench.mechanisms.optimizer_in_backward import size_buckets
 
 __all__ = ["BACKENDS", "CATEGORIES", "MemoryResult", "StorageTracker", "byte_unit",
-           "format_bytes", "measure", "table_unit"]
+           "format_bytes", "measure", "measure_or_fall_back", "table_unit", "torch_log_kept"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 BACKENDS = ("fake", "eager", "cuda")
@@ -326,6 +327,54 @@ def measure(
                         backend, device, warmup, snapshot_path, round_to, stack)
 
 
+@contextlib.contextmanager
+def torch_log_kept(lines: list[str]) -> Iterator[None]:
+    """torch's own log records (FakeTensorMode logs an E-level traceback for every meta kernel
+    that fails) appended to ``lines``, one line each, instead of printed: the caller puts them in
+    the row's detail. torch gives each of its loggers a handler of its own (torch._logging);
+    every one under "torch" is swapped for the keeper, and restored on exit."""
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            message = record.getMessage()
+            lines.append(f"{record.levelname} {record.name}: "
+                         f"{message.splitlines()[0] if message else ''}")
+
+    keep = Keep()
+    loggers = [logger for name, logger in logging.root.manager.loggerDict.items()
+               if (name == "torch" or name.startswith("torch."))
+               and isinstance(logger, logging.Logger) and logger.handlers]
+    saved = [logger.handlers for logger in loggers]
+    for logger in loggers:
+        logger.handlers = [keep]
+    try:
+        yield
+    finally:
+        for logger, handlers in zip(loggers, saved):
+            logger.handlers = handlers
+
+
+def measure_or_fall_back(spec: Any, strategy: str = "foreach", **options: Any
+                         ) -> tuple[MemoryResult, str | None]:
+    """``measure`` on the fake backend, or, where fake tensors cannot run the model (a forward
+    that reads a value, ``if torch.rand([]) < p``; a meta kernel narrower than the CPU kernel,
+    ``torch._grouped_mm`` in float32), on real CPU tensors (backend "eager", the same tracker,
+    exact as well). Returns the result and, after a fallback, why, in one line with what torch
+    logged meanwhile; a row names its backend, so that a gate compares like with like."""
+    if options.get("backend", "fake") != "fake":
+        return measure(spec, strategy, **options), None
+    logged: list[str] = []
+    try:
+        with torch_log_kept(logged):
+            return measure(spec, strategy, **options), None
+    except Exception as e:  # noqa: BLE001 - any refusal of fake tensors; eager must then run it
+        first = str(e).splitlines()[0] if str(e) else ""
+        why = f"fake tensors cannot run {of(spec).name}: {type(e).__name__}: {first}"
+    result = measure(spec, strategy, **{**options, "backend": "eager"})
+    log = (f"; torch logged {len(logged)} line{'s' * (len(logged) > 1)}, the first: {logged[0]}"
+           if logged else "")
+    return result, f"{why}; measured on real CPU tensors{log}"
+
+
 def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapshot_path,
              round_to, stack) -> MemoryResult:
     tracker = StorageTracker(round_to)
@@ -375,7 +424,9 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         x, y = spec.data(index)
         x, y = to_device(x, device), y.to(device)
         tracker.phase = "forward"
-        loss = spec.compute_loss(model, x, y)
+        # on the random numbers of this batch (dropout, LayerDrop), the same for every
+        # strategy and every run: a forward whose path is random allocates alike
+        loss = spec.compute_loss(model, x, y, (index, 0))
         classify()
         tracker.phase = "backward"
         (loss if started.scale is None else started.scale(loss)).backward()  # fp16 ZeRO-2

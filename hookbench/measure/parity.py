@@ -43,6 +43,7 @@ __all__ = [
     "Comparison",
     "NoiseBounds",
     "Tolerance",
+    "accepts",
     "against_forloop",
     "compare",
     "largest_step_per_lr",
@@ -251,8 +252,11 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
         opt.zero_grad()  # set_to_none, torch's default and Zero2's only behaviour
 
     every = [p for p in model.parameters()]
+    # A class without a foreach option (transformers' Adafactor, ...) has one implementation,
+    # its for-loop: it is given no flag. foreach and fused there raise its own TypeError.
+    loop = {"foreach": False} if accepts(cls, "foreach") else {}
     if strategy in ("forloop", "foreach", "fused"):
-        impl = {"forloop": {"foreach": False}, "foreach": {"foreach": True},
+        impl = {"forloop": loop, "foreach": {"foreach": True},
                 "fused": {"fused": True}}[strategy]
         opt = cls(every if params is None else params, **{**kwargs, **impl})
         clip_norm = lambda: torch.nn.utils.clip_grad_norm_(  # noqa: E731
@@ -264,7 +268,8 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
         cap = kwargs.get("bucket_cap_mb", BUCKET_CAP_MB) if bucketed else None  # kwargs may
         options = {k: v for k, v in kwargs.items() if k != "bucket_cap_mb"}  # carry the cap
         implementation = ({} if bucketed and {"foreach", "fused"} & set(options)
-                          else {"foreach": bucketed or strategy.endswith("foreach")})
+                          else {"foreach": True} if strategy.endswith("foreach")
+                          or (bucketed and loop) else loop)
         opt = OptimizerInBackward(
             model, cls, params, accumulation_steps=accumulation,
             grouped=strategy.startswith("in_backward_grouped"), bucket_cap_mb=cap,
@@ -279,7 +284,7 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
         return Started(nothing, lambda p: opt.state.get(p, {}), opt.remove, every,
                        scheduled=opt)
     if strategy == "zero2":  # kwargs may carry bucket_numel
-        zero = Zero2(model, cls, params, **{"foreach": False, **kwargs})
+        zero = Zero2(model, cls, params, **{**loop, **kwargs})
         own = zero.loss_scale is not None  # fp16: its own loss scaling, not a GradScaler's
 
         def own_step() -> None:
@@ -544,11 +549,16 @@ IMPLEMENTATION_CASES: dict[str, tuple[type[torch.optim.Optimizer], dict[str, Any
 }
 
 
+def accepts(cls: type[torch.optim.Optimizer], option: str) -> bool:
+    """Whether ``cls``'s constructor names ``option`` ("foreach", "fused")."""
+    return option in inspect.signature(cls).parameters
+
+
 def missing_implementation(cls: type[torch.optim.Optimizer], implementation: str) -> str | None:
     """None where ``cls`` has ``implementation`` ("foreach" or "fused") in this torch; else how
     its constructor refuses the flag. A flag accepted without the implementation would step the
     for-loop and compare it with itself: that raises AssertionError."""
-    if implementation in inspect.signature(cls).parameters:
+    if accepts(cls, implementation):
         return None
     try:
         cls([torch.nn.Parameter(torch.zeros(1))], **{implementation: True})

@@ -11,6 +11,7 @@ benchmarks and the tests run on each rank (through ``hookbench.core.launch``).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -26,7 +27,8 @@ from hookbench.models.zoo import TinySpec
 
 __all__ = ["PARITY_OPTIMIZERS", "PARITY_SPEC", "TOLERANCE", "Lockstep", "follow",
            "fsdp2_trajectory", "local_batch", "mixed_reference", "own_masters", "own_part",
-           "parity_cases", "rank_memory", "rank_problems", "trajectories", "trajectory"]
+           "parity_cases", "rank_device", "rank_memory", "rank_problems", "trajectories",
+           "trajectory"]
 
 # Against single-process training on the global batch: the reduction sums the ranks' mean
 # gradients and divides by N, where the reference takes one mean over the global batch, a
@@ -65,7 +67,7 @@ def local_batch(spec: Any, index: int, rank: int, world: int, device: str):
     return to_device(x, device), y[share].to(device)
 
 
-def _device(rank: int) -> str:
+def rank_device(rank: int) -> str:
     if dist.get_backend() == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
         return f"cuda:{torch.cuda.current_device()}"
@@ -87,7 +89,7 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     mixed precision also this rank's fp32 masters (``own_part``) before the first step
     (``"initial_masters"``) and after every step (``"masters"``); in fp16 the loss scale after
     every step (``"loss_scales"``)."""
-    device = _device(rank)
+    device = rank_device(rank)
     spec = of(spec)
     model = spec.build().to(device)
     scaler = spec.grad_scaler(device)
@@ -101,8 +103,14 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     if params is None:
         params = spec.optimizer_params(model)
     clipping = clipping or spec.clip_grad_norm or 0.0
-    with inject(fault), Zero2(model, optimizer_class, params, bucket_numel=bucket_numel,
-                              **kwargs) as zero:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(inject(fault))  # before Zero2 registers its hooks
+        try:
+            zero = stack.enter_context(Zero2(model, optimizer_class, params,
+                                             bucket_numel=bucket_numel, **kwargs))
+        except (ValueError, TypeError) as e:  # its argument checks, alike on every rank and
+            # before any collective: a refusal in words, returned so that a row records it
+            return {**result, "refused": f"{type(e).__name__}: {e}"}
         scheduler = spec.scheduler(zero.optimizer)
         result.update(shard_numel=sum(f.shard_numel for f in zero.flats))
         mixed = zero.param_dtype is not None
@@ -258,7 +266,7 @@ class Lockstep:
 
     def __init__(self, spec: Any, optimizer_class: type, kwargs: dict, bucket_numel: int):
         rank, world = dist.get_rank(), dist.get_world_size()
-        self.device = _device(rank)
+        self.device = rank_device(rank)
         self.spec = of(spec)
         self.batch = local_batch(spec, 0, rank, world, self.device)
         self._start(optimizer_class, kwargs, bucket_numel)
@@ -318,7 +326,7 @@ def fsdp2_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kw
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    device = _device(rank)
+    device = rank_device(rank)
     mesh = init_device_mesh(torch.device(device).type, (world,))
     spec = of(spec)
     model = spec.build().to(device)
@@ -340,7 +348,7 @@ def rank_memory(rank: int, world: int, spec: Any, kwargs: dict) -> dict[str, Any
     """This rank's measured memory for one ZeRO-2 step (the tracker on real tensors)."""
     backend = "cuda" if dist.get_backend() == "nccl" else "eager"
     if backend == "cuda":
-        _device(rank)
+        rank_device(rank)
     result = measure(spec, "zero2", backend=backend, optimizer_kwargs=kwargs)
     return {"peak": result.peak, "breakdown": result.peak_breakdown,
             "timeline": result.timeline}

@@ -78,11 +78,18 @@ def no_decay_on_biases_and_norms(model: torch.nn.Module) -> list[dict]:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def timm_weight_decay(model: torch.nn.Module) -> list[dict]:
+def timm_weight_decay(model: torch.nn.Module, weight_decay: float = 0.05) -> list[dict]:
     from timm.optim import param_groups_weight_decay
 
-    return param_groups_weight_decay(model, weight_decay=0.05,
+    return param_groups_weight_decay(model, weight_decay=weight_decay,
                                      no_weight_decay_list=model.no_weight_decay())
+
+
+def timm_resnet_weight_decay(model: torch.nn.Module) -> list[dict]:
+    """timm's train.py for a ResNet: weight decay 1e-4, none on BatchNorm and biases."""
+    from timm.optim import param_groups_weight_decay
+
+    return param_groups_weight_decay(model, weight_decay=1e-4)
 
 
 def llama_decoder_layer():
@@ -107,4 +114,76 @@ VIT = Workload("vit", model=vit, batch=images, loss=classification_loss,
                optimizer=(torch.optim.AdamW, {"lr": 1e-3}), param_groups=timm_weight_decay,
                checkpointing=re.compile(r"blocks\.\d+"))
 
-WORKLOADS = [GPT2, LLAMA_BF16, VIT]
+
+# -- four more, each a class of model that hookbench once refused (issue 33) ---------------------
+
+def resnet():
+    import timm
+
+    # timm's smallest ResNet (BatchNorm after every conv), 10 classes at 32x32.
+    return timm.create_model("resnet10t", pretrained=False, num_classes=10)
+
+
+def opt_layerdrop():
+    from transformers import OPTConfig, OPTForCausalLM
+
+    # LayerDrop (Fan et al. 2019), as fairseq's recipes train it: each decoder layer skipped
+    # with probability 0.3 per forward, decided by `torch.rand([]) < layerdrop` in Python.
+    return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=64, ffn_dim=128,
+                                    num_hidden_layers=4, num_attention_heads=4,
+                                    max_position_embeddings=SEQ, word_embed_proj_dim=64,
+                                    layerdrop=0.3, dropout=0.1, bos_token_id=0,
+                                    eos_token_id=1, pad_token_id=1))
+
+
+def mixtral():
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    # transformers 5's MoE experts run as one torch._grouped_mm per projection (its default
+    # experts_implementation); 4 experts, 2 per token.
+    return MixtralForCausalLM(MixtralConfig(vocab_size=VOCAB, hidden_size=64,
+                                            intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2,
+                                            num_local_experts=4, num_experts_per_tok=2,
+                                            max_position_embeddings=SEQ, use_cache=False,
+                                            bos_token_id=0, eos_token_id=1))
+
+
+def t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    return T5ForConditionalGeneration(T5Config(vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128,
+                                               num_layers=2, num_heads=4, decoder_start_token_id=0,
+                                               pad_token_id=0, eos_token_id=1))
+
+
+def seq2seq(g: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    source = torch.randint(2, VOCAB, (BATCH, SEQ), generator=g)
+    labels = torch.randint(2, VOCAB, (BATCH, SEQ // 2), generator=g)
+    start = torch.zeros(BATCH, 1, dtype=torch.long)  # T5's decoder starts from the pad token
+    return ({"input_ids": source, "attention_mask": torch.ones_like(source),
+             "decoder_input_ids": torch.cat([start, labels[:, :-1]], dim=1)}, labels)
+
+
+def adafactor():
+    from transformers.optimization import Adafactor
+
+    return Adafactor
+
+
+RESNET = Workload("resnet", model=resnet, batch=images, loss=classification_loss,
+                  optimizer=(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
+                  param_groups=timm_resnet_weight_decay)
+
+OPT_LAYERDROP = Workload("opt-layerdrop", model=opt_layerdrop, batch=tokens, loss=lm_loss,
+                         optimizer=(torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}))
+
+MIXTRAL = Workload("mixtral", model=mixtral, batch=tokens, loss=lm_loss,
+                   optimizer=(torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.0}))
+
+# HF's documented T5 recipe: Adafactor with its own relative step size, no lr.
+T5_ADAFACTOR = Workload("t5-adafactor", model=t5, batch=seq2seq, loss=lm_loss,
+                        optimizer=(adafactor(), {"lr": None, "scale_parameter": True,
+                                                 "relative_step": True, "warmup_init": True}))
+
+WORKLOADS = [GPT2, LLAMA_BF16, VIT, RESNET, OPT_LAYERDROP, MIXTRAL, T5_ADAFACTOR]

@@ -1,0 +1,204 @@
+"""The references a data-parallel strategy is judged against, in one place: what ZeRO-2 is held
+to in the report, the gate and the pytest plugin, which only ask for a verdict here.
+
+    ddp_trajectory   on every rank: torch's ``DistributedDataParallel`` training the workload on
+                     this rank's share of each batch, on the random numbers that share draws.
+                     The first yardstick: where ZeRO-2 does the same arithmetic (fp32 or
+                     autocast on gloo, an elementwise optimizer, no clipping), bit for bit
+    ranks            on every rank: a list of ZeRO-2 and DDP runs from one start of the ranks
+    single_process   in one process: the standard for-loop step on the mean of the ranks'
+                     losses, each on its share; the second yardstick, with the bounds of the
+                     elements whose gradient is at rounding level (``parity.NoiseBounds``),
+                     from a float64 run where float64 can run the model
+    noise_floor      per step and element, |DDP - single process|: how far two legal
+                     references drift apart on this workload (another order of the same fp32
+                     additions; BatchNorm over small shares amplifies it step by step)
+    judge            a ZeRO-2 run's row against both: DDP first, then the single process within
+                     the derived tolerance where DDP itself holds it, else within the measured
+                     noise floor, saying which
+
+Why two: the single process accumulates ``loss / N`` per share, data parallelism sums the
+shares' gradients and divides; both are legal fp32 orders. On a timm ResNet with SGD and
+momentum the two drift 1.5e-3 apart in 3 steps, 2.5e5x any rounding-level tolerance, while
+ZeRO-2 and DDP agree to the bit. Against DDP a broken reduction (a wrong slice, a bf16 round
+trip) fails at once, however noisy the model.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from hookbench.core.workload import Workload, of
+from hookbench.measure import zero2_runs
+from hookbench.measure.parity import (Comparison, NoiseBounds, Snapshot, Tolerance, compare,
+                                      parameters_only, rounding_level, training)
+
+__all__ = ["FLOOR_FACTOR", "ddp_trajectory", "judge", "noise_floor", "ranks", "single_process",
+           "with_ddp"]
+
+# Against the single process where DDP itself exceeds the derived tolerance: ZeRO-2 may be up
+# to this many times as far from it as DDP is, element by element (plus the tolerance). Two
+# legal orders of the same additions are not each other's mirror image; 2x lets another legal
+# order drift as far again, and a broken reduction is caught against DDP in any case.
+FLOOR_FACTOR = 2.0
+
+
+def ddp_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
+                   steps: int, **_: Any) -> dict[str, Any]:
+    """Train ``spec`` with ``DistributedDataParallel`` on this rank's share of each global batch
+    (run on every rank): the parameters after every step. ``find_unused_parameters=True``, so
+    that a forward that skips layers at random (LayerDrop) trains as it does on one device; no
+    buffer broadcast (ZeRO-2 broadcasts none: BatchNorm statistics stay each rank's own)."""
+    device = zero2_runs.rank_device(rank)
+    spec = of(spec)
+    model = spec.build().to(device)
+    # torch 2.14 renamed broadcast_buffers (a FutureWarning); its successor still syncs the
+    # buffers at init, where every rank's are equal anyway (the same seed builds the model).
+    sync = ({"forward_sync_buffers": False}
+            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+            else {"broadcast_buffers": False})
+    ddp = DistributedDataParallel(model, find_unused_parameters=True, **sync)
+    params = spec.optimizer_params(model)
+    optimizer = optimizer_class(list(model.parameters()) if params is None else params, **kwargs)
+    scheduler = spec.scheduler(optimizer)
+    scaler = spec.grad_scaler(device)
+    snapshots = []
+    for i in range(steps):
+        x, y = zero2_runs.local_batch(spec, i, rank, world, device)
+        loss = spec.compute_loss(ddp, x, y, (i, rank))
+        (loss if scaler is None else scaler.scale(loss)).backward()
+        if spec.clip_grad_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip_grad_norm,
+                                           foreach=False)
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        snapshots.append({n: p.detach().cpu().clone() for n, p in model.named_parameters()})
+    return {"snapshots": snapshots, "error": None}
+
+
+def ranks(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each case on this rank, from one start of the ranks: ``{"engine": "ddp", ...}`` by
+    ``ddp_trajectory``, any other by ``zero2_runs.trajectory`` (its keyword arguments)."""
+    out = []
+    for case in cases:
+        case = dict(case)
+        engine = case.pop("engine", "zero2")
+        out.append((ddp_trajectory if engine == "ddp" else zero2_runs.trajectory)(
+            rank, world, **case))
+    return out
+
+
+def with_ddp(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """ZeRO-2 ``cases`` followed by a DDP case for each (the same spec, optimizer, options and
+    steps; never a fault: the reference must be the release's own DDP)."""
+    return [*cases, *({**case, "engine": "ddp", "fault": None} for case in cases)]
+
+
+def single_process(workload: Workload, optimizer_class: type, kwargs: dict[str, Any],
+                   steps: int, world: int) -> tuple[list[Snapshot], list[Snapshot] | None, str]:
+    """The standard for-loop step on the mean of ``world`` ranks' losses, each on its share of
+    the batch and its random numbers, in one process: the parameters after every step; the
+    per-step bounds of the elements whose gradient is at rounding level (None where float64
+    cannot run the model); and, then, why. Against the whole batch in one forward, low
+    precision would round differently (a bf16 mean over 8 rows is not the mean of two bf16 means
+    over 4); this way only the order of the fp32 gradient sum differs."""
+    noise: NoiseBounds | None = NoiseBounds()
+    why = ""
+    with training(workload, optimizer_class, kwargs, "forloop") as run:
+        snapshots = []
+        for i in range(steps):
+            batches = [zero2_runs.local_batch(workload, i, r, world, "cpu") for r in range(world)]
+            keys = [(i, r) for r in range(world)]
+            if noise is not None:
+                try:
+                    level = rounding_level(workload, run.model, batches, keys)
+                except Exception as e:  # noqa: BLE001 - a float64 kernel this model lacks
+                    noise, why = None, (f"float64 cannot run this model ({type(e).__name__}: "
+                                        f"{str(e).splitlines()[0] if str(e) else ''})")
+                else:
+                    noise.add(run, level)
+            run.step_on(batches, keys)
+            snapshots.append(run.snapshot())
+    return parameters_only(snapshots), None if noise is None else noise.steps, why
+
+
+def noise_floor(a: list[Snapshot], b: list[Snapshot]) -> list[Snapshot]:
+    """Per step and entry, |a - b| element by element in float64."""
+    return [{k: (x[k].double() - y[k].double()).abs() for k in x if k in y} for x, y in zip(a, b)]
+
+
+def _floor_bounds(floor: list[Snapshot], rounding: list[Snapshot] | None) -> list[Snapshot]:
+    """``FLOOR_FACTOR`` x the floor, or the rounding-level bound where that is larger."""
+    out = []
+    for step, entries in enumerate(floor):
+        bounds = {k: FLOOR_FACTOR * v for k, v in entries.items()}
+        for k, v in (rounding[step] if rounding else {}).items():
+            if k in bounds:
+                bounds[k] = torch.maximum(bounds[k], v)
+        out.append(bounds)
+    return out
+
+
+def _largest(floor: list[Snapshot]) -> list[float]:
+    return [max((float(v.max()) for v in step.values() if v.numel()), default=0.0)
+            for step in floor]
+
+
+def judge(workload: Workload, zero2: list[Snapshot], ddp: list[Snapshot] | None,
+          reference: list[Snapshot], rounding: list[Snapshot] | None, why: str,
+          tol: Tolerance) -> dict[str, Any]:
+    """A ZeRO-2 run's parameters (rank 0's, every step) against DDP's (None: DDP could not run
+    it, and ``why`` says so) and the single process's: ``problems``, ``parity`` (what was
+    compared, in words) and ``noise_floor`` (the largest |DDP - single process| per step).
+
+    Against DDP bit for bit, except where ZeRO-2's arithmetic differs by design: a clipping
+    norm summed shard by shard, a compiled model. Against the single process: within ``tol``
+    and the rounding-level bounds where DDP itself holds them (the derived tolerance is the
+    tighter one then); else within ``FLOOR_FACTOR`` x the measured noise floor, element by
+    element."""
+    problems: list[str] = []
+    words: list[str] = []
+    floor = None
+    if ddp is not None:
+        differs = [why_ for cond, why_ in (
+            (workload.clip_grad_norm is not None, "the clipping norm is summed shard by shard"),
+            (workload.compile is not None, "the model is compiled")) if cond]
+        against = compare(zero2, ddp, tol if differs else None)
+        words.append(f"vs DDP on the same shares: {against.verdict()}"
+                     + (f" ({'; '.join(differs)}: within tolerance, not bit for bit)"
+                        if differs else ""))
+        if not against.ok:
+            problems.append(words[-1])
+        floor = noise_floor(ddp, reference)
+    else:
+        words.append(f"vs DDP: not compared ({why})")
+    derived = compare(ddp, reference, tol, rounding) if ddp is not None else None
+    if derived is None or derived.ok:
+        result = compare(zero2, reference, tol, rounding)
+        how = "" if rounding is not None else f"; {why}, so no element is excused as noise"
+        if derived is not None:
+            how += "; DDP within the same tolerance"
+    else:
+        result = compare(zero2, reference, tol, _floor_bounds(floor, rounding))
+        result = Comparison(result.bit_exact, result.max_abs, result.ratio, result.where,
+                            result.tolerance)  # its bounds are the floor's, said below
+        how = (f"; DDP itself is {derived.ratio:.3g}x the tolerance from it (another legal fp32 "
+               f"order), so judged within {FLOOR_FACTOR:g}x the measured noise floor per "
+               f"element" + ("" if rounding is not None else f"; {why}"))
+    words.append(f"vs one process on the ranks' shares: {result.verdict()}{how}")
+    if not result.ok:
+        problems.append(words[-1])
+    return {"problems": problems, "parity": "; ".join(words),
+            "noise_floor": None if floor is None else _largest(floor)}
