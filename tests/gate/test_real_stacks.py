@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "examples" / "hf"))
 from hfstack.workloads import GPT2, LLAMA_BF16, VIT, WORKLOADS  # noqa: E402
 
 from hookbench.gate import workload_checks  # noqa: E402
+from hookbench.measure import references  # noqa: E402
 from hookbench.measure.faults import inject  # noqa: E402
 
 pytestmark = pytest.mark.peers
@@ -57,12 +58,16 @@ def test_zero2_trains_each_real_model_like_data_parallelism():
 
 
 @pytest.mark.distributed
-def test_without_the_rounding_level_bounds_the_vit_key_bias_is_a_false_alarm(monkeypatch):
-    # What the issue saw: Adam turns the key bias's 1e-10 gradients into +-lr steps whose sign
-    # follows the summation order, which ZeRO-2 changes.
-    monkeypatch.setattr(workload_checks, "rounding_level", lambda *a: {})
+def test_without_the_rounding_level_bounds_the_vit_is_judged_within_the_noise_floor(
+        monkeypatch):
+    # What issue 26 saw: Adam turns the key bias's 1e-10 gradients into +-lr steps whose sign
+    # follows the summation order, so DDP itself leaves the single process's tolerance; then
+    # the single process is the second yardstick within the measured floor, and DDP the first.
+    monkeypatch.setattr(references, "rounding_level", lambda *a: {})
     row = workload_checks.zero2([VIT])["vit/zero2"]
-    assert "FAIL" in row["problems"][0] and "qkv.bias" in row["problems"][0]
+    assert row["problems"] == [], row
+    assert row["parity"].startswith("vs DDP on the same shares: bit-exact;")
+    assert "so judged within 2x the measured noise floor per element" in row["parity"]
 
 
 @pytest.mark.distributed

@@ -1,4 +1,4 @@
-"""Three models from real libraries, configured the way their own recipes train them, as
+"""Seven models from real libraries, configured the way their own recipes train them, as
 ``hookbench.Workload``s. Built from config (no weights are downloaded), small enough for CI.
 
     gpt2        transformers' GPT2LMHeadModel as shipped: dropout 0.1 everywhere, tied
@@ -10,6 +10,24 @@
                 (HF Trainer's defaults); the optimizer in backward refuses the clipping, in words
     vit         timm's VisionTransformer with its default qkv bias, AdamW with timm's own
                 weight-decay split (``param_groups_weight_decay``), each block checkpointed
+
+Four more, one of each class of model hookbench once could not measure one way or another:
+
+    resnet          timm's resnet10t (BatchNorm after every conv) with SGD, Nesterov momentum
+                    0.9 and timm's weight decay 1e-4 (none on norms and biases), 8 images per
+                    rank: the single process drifts from DDP by far more than rounding, so
+                    ZeRO-2 is held to DDP bit for bit and to the single process within the
+                    measured noise floor
+    opt-layerdrop   transformers' OPTForCausalLM with LayerDrop 0.3 (a layer skipped when
+                    ``torch.rand([]) < 0.3``, decided in Python): fake tensors cannot run it, so
+                    memory is measured on real CPU tensors; layers go unused at random per step
+                    and rank, so DDP runs with ``find_unused_parameters=True``
+    mixtral         transformers' MixtralForCausalLM, whose experts run as ``torch._grouped_mm``:
+                    its meta kernel rejects float32 and its CPU kernel float64, so memory falls
+                    back to real tensors and the rounding-level reference to the noise floor
+    t5-adafactor    transformers' T5 with transformers' Adafactor (relative step, no lr), HF's
+                    documented T5 recipe: an optimizer outside torch.optim, with no foreach
+                    option and a factored (not elementwise) update, which ZeRO-2 refuses in words
 """
 
 from __future__ import annotations
@@ -59,8 +77,13 @@ def tokens(g: torch.Generator) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     return {"input_ids": ids[:, :-1], "attention_mask": mask}, ids[:, 1:]
 
 
-def images(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+def images(g: torch.Generator, batch: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(batch, 3, 32, 32, generator=g), torch.randint(0, 10, (batch,), generator=g)
+
+
+def image_batches(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """16 images: BatchNorm normalises over 8 per data-parallel rank (2 ranks)."""
+    return images(g, 16)
 
 
 def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
@@ -171,7 +194,7 @@ def adafactor():
     return Adafactor
 
 
-RESNET = Workload("resnet", model=resnet, batch=images, loss=classification_loss,
+RESNET = Workload("resnet", model=resnet, batch=image_batches, loss=classification_loss,
                   optimizer=(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True}),
                   param_groups=timm_resnet_weight_decay)
 

@@ -1,0 +1,227 @@
+"""Any model that trains eagerly records and gates (issue 33): each way a measuring method
+can fail to fit a model falls back per row and says so, a designed refusal is a recorded row,
+and a broken workload is told once, in one line, before anything is measured.
+
+    fallbacks        a forward that reads a value (LayerDrop): memory on real CPU tensors,
+                     named in the row; the gate compares like with like; torch's own error log
+                     goes into the row, not onto the terminal
+    any optimizer    a torch.optim.Optimizer outside torch.optim (no foreach option, not known
+                     to be elementwise): foreach rows do not apply, ZeRO-2 refuses, in words,
+                     recorded; the for-loop and the optimizer in backward still run
+    broken workloads a non-scalar or non-finite loss, a batch that does not split over the
+                     ranks, a factory or batch function that raises: one line, exit 2
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+from hookbench import Workload
+from hookbench.cli import main
+from hookbench.gate import workload_checks
+from hookbench.gate.checks import Run
+from hookbench.measure.memory import measure_or_fall_back
+
+
+class LayerDrop(nn.Module):
+    """Each layer skipped with probability 0.5 per training forward, decided in Python on a
+    value (fairseq's and transformers' LayerDrop): fake tensors cannot run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(3))
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            if self.training and torch.rand([]) < 0.5:
+                continue
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+class LogsThenReads(LayerDrop):
+    """torch logs an E-level line before it gives up on a model (as FakeTensorMode does for a
+    meta kernel that rejects float32)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(x, FakeTensor):
+            logging.getLogger("torch._subclasses.fake_tensor").error(
+                "failed while attempting to run meta for aten.op")
+        return super().forward(x)
+
+
+class SignSGD(torch.optim.Optimizer):
+    """An optimizer outside torch.optim, as bitsandbytes', timm's or transformers' are: no
+    foreach option, and not one ZeRO-2 knows to be elementwise."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign(), alpha=-group["lr"])
+
+
+def vectors(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+LAYERDROP = Workload("layerdrop", model=LayerDrop, batch=vectors, loss=F.cross_entropy,
+                     optimizer=(torch.optim.AdamW, {"lr": 1e-2}))
+def linear() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+SIGN = Workload("sign", model=linear, batch=vectors, loss=F.cross_entropy,
+                optimizer=(SignSGD, {"lr": 1e-2}))
+
+
+# -- fallbacks -----------------------------------------------------------------------------------
+
+def test_memory_falls_back_to_real_tensors_where_fake_ones_cannot_run_the_model():
+    rows = workload_checks.memory(LAYERDROP)
+    assert set(rows) == {f"layerdrop/memory/{s}" for s in workload_checks.MEMORY_STRATEGIES}
+    for row in rows.values():
+        assert row["problems"] == [] and row["backend"] == "eager", row
+        assert row["fallback"] == ("fake tensors cannot run layerdrop: "
+                                   "DataDependentOutputException: "
+                                   "aten._local_scalar_dense.default; measured on real CPU "
+                                   "tensors")
+    # the same layers dropped in every run and strategy: the counts repeat to the byte
+    assert workload_checks.memory(LAYERDROP) == rows
+
+
+def test_the_gate_compares_a_fallback_row_only_with_its_own_backend():
+    now = workload_checks.memory(LAYERDROP)
+    key = "layerdrop/memory/foreach"
+    same = workload_checks.judge(now, now, Run())
+    assert same.ok
+    recorded_on_fake = {**now, key: {**now[key], "backend": "fake"}}
+    moved = workload_checks.judge(recorded_on_fake, now, Run())
+    failed = [cells for cells, verdict in moved.rows if not verdict]
+    assert [cells[0] for cells in failed] == [key]
+    assert failed[0][1].endswith(f", backend eager: CHANGED backend: recorded on fake, "
+                                 f"measured now on eager ({now[key]['fallback']})")
+
+
+def test_torch_error_log_goes_into_the_row_not_onto_the_terminal(capfd):
+    result, why = measure_or_fall_back(LAYERDROP.replace(model=LogsThenReads), "foreach")
+    assert result.backend == "eager"
+    assert why.endswith("; torch logged 1 line, the first: ERROR "
+                        "torch._subclasses.fake_tensor: failed while attempting to run meta "
+                        "for aten.op")
+    err = capfd.readouterr().err
+    assert "failed while attempting" not in err
+    # and torch's handlers are back: its log prints again afterwards
+    logging.getLogger("torch._subclasses.fake_tensor").error("after the measurement")
+    assert "after the measurement" in capfd.readouterr().err
+
+
+def test_a_model_fake_tensors_can_run_stays_on_the_fake_backend():
+    result, why = measure_or_fall_back(LAYERDROP.replace(model=linear))
+    assert (result.backend, why) == ("fake", None)
+
+
+# -- any optimizer -------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sign_rows() -> dict:
+    return workload_checks.measure_all([SIGN])
+
+
+def test_an_optimizer_outside_torch_optim_runs_where_it_can_and_says_where_not(sign_rows):
+    words = (f"{SignSGD.__module__}.SignSGD takes no foreach option (its for-loop is its only "
+             f"implementation)")
+    assert sign_rows["sign/foreach"] == {"not_applicable": words}
+    assert sign_rows["sign/in_backward_grouped_foreach"] == {"not_applicable": words}
+    for strategy in ("in_backward", "in_backward_grouped", "in_backward_bucketed"):
+        assert sign_rows[f"sign/{strategy}"]["parity"] == "vs forloop: bit-exact", strategy
+    assert sign_rows["sign/zero2"] == {"refused": "ValueError: SignSGD is not known to update "
+                                                  "parameters elementwise"}
+    assert set(k for k in sign_rows if "/memory/" in k) == {"sign/memory/forloop",
+                                                            "sign/memory/in_backward"}
+
+
+def test_a_recorded_refusal_gates_clean_and_fails_when_it_changes(sign_rows):
+    assert workload_checks.judge(sign_rows, sign_rows, Run()).ok
+    for changed in ({"not_applicable": "another reason"}, {"sha256": "0" * 64}):
+        base = {**sign_rows, "sign/zero2": changed}
+        failed = [cells for cells, verdict in workload_checks.judge(base, sign_rows, Run()).rows
+                  if not verdict]
+        assert [cells[0] for cells in failed] == ["sign/zero2"]
+        assert failed[0][1].startswith("CHANGED: now refuses, as designed (ValueError: ")
+    base = {k: v for k, v in sign_rows.items() if k != "sign/foreach"}
+    failed = [cells for cells, verdict in workload_checks.judge(base, sign_rows, Run()).rows
+              if not verdict]
+    assert failed == [("sign/foreach", f"CHANGED: now does not apply ({SignSGD.__module__}."
+                                       f"SignSGD takes no foreach option (its for-loop is its "
+                                       f"only implementation)); recorded nothing")]
+
+
+# -- broken workloads ----------------------------------------------------------------------------
+
+def _raises() -> nn.Module:
+    raise ZeroDivisionError("a typo in the factory")
+
+
+def _bad_batch(g: torch.Generator):
+    raise KeyError("input_ids")
+
+
+BROKEN = {
+    "non-scalar": (LAYERDROP.replace(loss=lambda out, y: F.cross_entropy(
+        out, y, reduction="none")), "workload 'layerdrop': loss(output, target) returned a "
+        "tensor of shape (4,), not a scalar tensor (reduce it, e.g. with .mean())"),
+    "nan": (LAYERDROP.replace(loss=lambda out, y: out.sum() * float("nan")),
+            "workload 'layerdrop': loss(output, target) is nan on batch 0, before any step: "
+            "nothing can be compared (check the model's initialisation and inputs)"),
+    "split": (LAYERDROP.replace(batch=lambda g: (torch.randn(3, 6), torch.zeros(3).long())),
+              "workload 'layerdrop': batch(generator) gives a target of 3 rows, which does not "
+              "split over 2 data-parallel ranks; make the batch a multiple of 2"),
+    "factory": (LAYERDROP.replace(model=_raises), "workload 'layerdrop': model() raised "
+                "ZeroDivisionError: a typo in the factory"),
+    "batch": (LAYERDROP.replace(batch=_bad_batch),
+              "workload 'layerdrop': batch(generator) raised KeyError: 'input_ids'"),
+}
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_a_broken_workload_is_told_once_before_anything_is_measured(case):
+    workload, message = BROKEN[case]
+    with pytest.raises(ValueError) as e:
+        workload_checks.measure_all([workload])
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("command", ["record", "gate", "report"])
+def test_the_command_line_says_it_in_one_line_with_exit_2(command, tmp_path, monkeypatch,
+                                                          capsys):
+    (tmp_path / "broken.py").write_text(
+        "import torch, torch.nn.functional as F\nfrom torch import nn\n"
+        "from hookbench import Workload\n"
+        "W = Workload('broken', model=lambda: nn.Linear(6, 3),\n"
+        "             batch=lambda g: (torch.randn(4, 6, generator=g), torch.zeros(4).long()),\n"
+        "             loss=lambda out, y: F.cross_entropy(out, y, reduction='none'))\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # load() puts the project first
+    argv = [command, "--workload", "broken:W", "--baseline", str(tmp_path / "b.json")]
+    if command == "report":
+        argv = [command, "--workload", "broken:W", "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (f"hookbench {command}: error: workload 'broken': loss(output, target) "
+                   f"returned a tensor of shape (4,), not a scalar tensor (reduce it, e.g. with "
+                   f".mean())\n")
+    assert not (tmp_path / "b.json").exists()

@@ -1,0 +1,152 @@
+"""The references ZeRO-2 is judged against (``hookbench.measure.references``): torch's DDP bit
+for bit, the single process within the derived tolerance where DDP holds it and within the
+measured noise floor where it does not, and each shown to fail when what it guards breaks.
+
+The BatchNorm convnet below is the case that made the single process the wrong yardstick: a
+ResNet-10 (hookbench's torchvision-free ResNet), two samples per share, SGD with Nesterov
+momentum. Its two legal references
+(DDP and the single process) drift far beyond any rounding-level tolerance within 3 steps,
+while ZeRO-2 and DDP agree to the bit.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hookbench import Workload
+from hookbench.measure.faults import inject
+from hookbench.gate import workload_checks
+from hookbench.measure import references, zero2_runs
+from hookbench.measure.parity import Tolerance
+from hookbench.models.vision import ResNet
+
+pytestmark = pytest.mark.distributed
+
+
+def resnet10() -> nn.Module:
+    return ResNet((1, 1, 1, 1), num_classes=5)
+
+
+def images(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    # 2 images per rank; the last stage's BatchNorm normalises over 2 values (1x1 at 32x32)
+    return torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 5, (4,), generator=g)
+
+
+class Float32Only(nn.Module):
+    """A layer whose kernel has no float64 (as torch._grouped_mm on the CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float64:
+            raise RuntimeError("no float64 kernel for this op")
+        return self.lin(x)
+
+
+def vectors(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+BATCHNORM = Workload("conv-bn", model=resnet10, batch=images, loss=F.cross_entropy,
+                     optimizer=(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9,
+                                                  "nesterov": True, "weight_decay": 1e-4}))
+FLOAT32_ONLY = Workload("float32-only", model=Float32Only, batch=vectors, loss=F.cross_entropy,
+                        optimizer=(torch.optim.Adam, {"lr": 1e-2}))
+
+
+@pytest.fixture(scope="module")
+def batchnorm_row() -> dict:
+    return workload_checks.zero2([BATCHNORM])["conv-bn/zero2"]
+
+
+def test_zero2_on_a_batchnorm_convnet_is_ddp_bit_for_bit(batchnorm_row):
+    assert batchnorm_row["problems"] == []
+    assert batchnorm_row["parity"].startswith("vs DDP on the same shares: bit-exact;")
+    # The single process alone is the wrong yardstick here: DDP itself, torch's own data
+    # parallelism, is far outside the derived tolerance from it (the false FAIL of issue 33),
+    # so the single process is judged within the measured floor.
+    drift = re.search(r"DDP itself is ([0-9.e+]+)x the tolerance from it", batchnorm_row["parity"])
+    assert drift and float(drift[1]) > 1e3, batchnorm_row["parity"]
+    assert "so judged within 2x the measured noise floor per element" in batchnorm_row["parity"]
+    assert batchnorm_row["noise_floor"][-1] > batchnorm_row["noise_floor"][0] > 0
+
+
+@pytest.mark.parametrize("fault", [
+    "collective_low_precision",  # the subtle one: a bf16 round trip, far inside the floor
+    pytest.param("collective_wrong_slice", marks=pytest.mark.slow),
+    pytest.param("fires_twice", marks=pytest.mark.slow)])
+def test_each_fault_fails_the_batchnorm_row(fault):
+    row = workload_checks.zero2([BATCHNORM], fault)["conv-bn/zero2"]
+    assert row["problems"], row
+
+
+def test_a_kept_gradient_fails_the_batchnorm_workload_on_its_memory_rows():
+    # a memory fault: parity is untouched by it (the ZeRO-2 row holds), the memory rows fail
+    with inject("keeps_gradients_alive"):
+        rows = workload_checks.memory(BATCHNORM)
+    assert rows["conv-bn/memory/in_backward"]["problems"], rows["conv-bn/memory/in_backward"]
+
+
+def _snapshots(*values: float) -> list[dict[str, torch.Tensor]]:
+    return [{"w": torch.tensor([v, 1.0])} for v in values]
+
+
+T = Tolerance(rtol=1e-5, atol=1e-6)
+
+
+def test_judge_requires_ddp_bit_for_bit_and_the_derived_tolerance_where_ddp_holds_it():
+    ok = references.judge(BATCHNORM, _snapshots(1.0, 2.0), _snapshots(1.0, 2.0),
+                          _snapshots(1.0, 2.0), None, "", T)
+    assert ok["problems"] == [] and ok["noise_floor"] == [0.0, 0.0]
+    # one ulp from DDP is a mismatch: the arithmetic is the same
+    ulp = references.judge(BATCHNORM, _snapshots(1.0, 2.0 + 2**-22), _snapshots(1.0, 2.0),
+                           _snapshots(1.0, 2.0), None, "", T)
+    assert ulp["problems"] == ["vs DDP on the same shares: MISMATCH (bit-exact expected) max "
+                               "|diff| 2.38e-07 at step 1, w"]
+
+
+def test_judge_uses_the_measured_floor_only_where_ddp_exceeds_the_tolerance():
+    # DDP 0.01 from the single process: ZeRO-2 may be up to 2x that, not more
+    within = references.judge(BATCHNORM, _snapshots(1.0, 2.02), _snapshots(1.0, 2.02),
+                              _snapshots(1.0, 2.0), None, "", T)
+    assert within["problems"] == [] and "2x the measured noise floor" in within["parity"]
+    beyond = references.judge(BATCHNORM, _snapshots(1.0, 2.05), _snapshots(1.0, 2.02),
+                              _snapshots(1.0, 2.0), None, "", T)
+    assert len(beyond["problems"]) == 2  # not DDP's bits, and beyond twice its drift
+    # where DDP holds the tolerance, the tolerance stays: no floor loosens it
+    tight = references.judge(BATCHNORM, _snapshots(1.0, 2.0 + 4e-5), _snapshots(1.0, 2.0),
+                             _snapshots(1.0, 2.0), None, "", T)
+    assert any("FAIL" in p and "vs one process" in p for p in tight["problems"])
+
+
+def test_clipping_is_compared_with_ddp_within_tolerance_and_says_why():
+    clipped = BATCHNORM.replace(clip_grad_norm=1.0)
+    row = references.judge(clipped, _snapshots(1.0, 2.0 + 2**-22), _snapshots(1.0, 2.0),
+                           _snapshots(1.0, 2.0), None, "", T)
+    assert row["problems"] == []
+    assert "the clipping norm is summed shard by shard: within tolerance" in row["parity"]
+
+
+def test_a_model_float64_cannot_run_is_judged_without_rounding_level_excuses():
+    kwargs = workload_checks.forloop_options(FLOAT32_ONLY)
+    reference, rounding, why = references.single_process(FLOAT32_ONLY, torch.optim.Adam,
+                                                         kwargs, 2, 2)
+    assert rounding is None and len(reference) == 2
+    assert why == ("float64 cannot run this model (RuntimeError: no float64 kernel for this "
+                   "op)")
+    row = workload_checks.zero2([FLOAT32_ONLY])["float32-only/zero2"]
+    assert row["problems"] == [], row
+    assert "float64 cannot run this model" in row["parity"]
+
+
+def test_noise_floor_is_elementwise_and_in_float64():
+    floor = references.noise_floor(_snapshots(1.0), [{"w": torch.tensor([1.5, 1.0])}])
+    assert floor[0]["w"].dtype == torch.float64
+    assert floor[0]["w"].tolist() == [0.5, 0.0]
