@@ -96,8 +96,11 @@ class Checks:
                              f"{workload.name}: a strategy does not train like its reference")
 
     def assert_zero2_parity(self, workload: Workload) -> dict[str, Any]:
-        """ZeRO-2 on 2 spawned gloo ranks trains ``workload`` like the for-loop step on the
-        ranks' shares of each batch, frees every gradient, runs every hook once."""
+        """ZeRO-2 on 2 spawned gloo ranks trains ``workload`` like torch's DDP on the same
+        shares (bit for bit where the arithmetic is the same) and like the for-loop step on
+        the ranks' shares in one process (within the derived tolerance, or the measured noise
+        floor where DDP itself exceeds it), frees every gradient, runs every hook once; or
+        refuses the optimizer in words (``{"refused": ...}``). Returns the rows."""
         from hookbench.gate import workload_checks
 
         return self._require(workload_checks.zero2([workload], self.fault),
@@ -106,7 +109,7 @@ class Checks:
     def assert_memory(self, workload: Workload,
                       at_most: dict[str, int] | None = None) -> dict[str, int]:
         """One step's peak per strategy on the fake backend (bytes, as the CUDA allocator
-        would round them): the optimizer in backward no higher than the standard step, no
+        would round them; on real CPU tensors where fake ones cannot run the model): the optimizer in backward no higher than the standard step, no
         strategy but the standard one holding every gradient at once, and each peak within
         ``at_most`` (strategy -> bytes). Returns the peaks."""
         from hookbench.gate import workload_checks

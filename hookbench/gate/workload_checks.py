@@ -13,18 +13,31 @@ For each ``hookbench.Workload`` (rows keyed ``name/what``):
     name/in_backward_grouped_foreach    the grouped foreach mode, within tolerance of foreach
     name/in_backward_bucketed           DDP-style 25 MiB buckets, foreach in each: within
                                         tolerance of foreach
-    name/zero2                          ``Zero2`` on ZERO2_RANKS gloo ranks against the for-loop
-                                        step on the ranks' shares of each batch in one process
-                                        (``zero2_runs.TOLERANCE``, the autocast tolerance under
-                                        autocast; elements whose gradient is at rounding level
-                                        within ``parity.NoiseBounds``), no gradient left on a
-                                        parameter, every hook once
+    name/zero2                          ``Zero2`` on ZERO2_RANKS gloo ranks against torch's DDP
+                                        on the same shares, bit for bit where the arithmetic is
+                                        the same, and against the for-loop step on the ranks'
+                                        shares in one process (``zero2_runs.TOLERANCE``, the
+                                        autocast tolerance under autocast; elements whose
+                                        gradient is at rounding level within
+                                        ``parity.NoiseBounds``; within the measured noise floor
+                                        where DDP itself exceeds that: ``references.judge``),
+                                        no gradient left on a parameter, every hook once; an
+                                        optimizer ZeRO-2 refuses is a recorded refusal
     name/capture                        ``ActivationCapture`` on the training forward: the
                                         loss and every gradient bit for bit those without it,
                                         one record per module call, no hook left after it
-    name/memory/<strategy>              one step's peak on the fake backend; the optimizer in
-                                        backward must not exceed the standard step's peak, and
-                                        neither it nor ZeRO-2 may hold every gradient at once
+    name/memory/<strategy>              one step's peak on the fake backend, or on real CPU
+                                        tensors where fake ones cannot run the model (the row
+                                        names its backend; the gate compares like with like);
+                                        the optimizer in backward must not exceed the standard
+                                        step's peak (foreach, or the for-loop of an optimizer
+                                        without one), and neither it nor ZeRO-2 may hold every
+                                        gradient at once
+
+A strategy that needs an implementation the optimizer does not have (foreach, for a class
+outside torch.optim) is a recorded row ``{"not_applicable": why}``; a broken workload (a loss
+that is not a finite scalar, a batch that does not split over the ranks, a function that
+raises) raises one ``ValueError`` before anything is measured (``Workload.check``).
 
 Dropout and every other random number a forward draws come from the RNG the workload seeds
 per batch and share (``Workload.forward_rng``), so they are the same in every run compared.
@@ -113,8 +126,8 @@ def forloop_options(workload: Workload) -> dict[str, Any]:
 
 def refusal(workload: Workload, strategy: str) -> str | None:
     """Why ``strategy`` refuses ``workload`` by design, or None."""
-    cls, kwargs = workload.optimizer
-    if strategy == "zero2" and cls not in ELEMENTWISE and kwargs.get("elementwise") is not True:
+    cls = workload.optimizer[0]
+    if strategy == "zero2" and cls not in ELEMENTWISE:
         return (f"ZeRO-2 refuses {cls.__name__}: it steps 1-D pieces of parameters, and "
                 f"{cls.__name__} is not known to update them elementwise")
     if not strategy.startswith("in_backward"):

@@ -14,7 +14,7 @@
 Four more, one of each class of model hookbench once could not measure one way or another:
 
     resnet          timm's resnet10t (BatchNorm after every conv) with SGD, Nesterov momentum
-                    0.9 and timm's weight decay 1e-4 (none on norms and biases), 8 images per
+                    0.9 and timm's weight decay 1e-4 (none on norms and biases), 4 images per
                     rank: the single process drifts from DDP by far more than rounding, so
                     ZeRO-2 is held to DDP bit for bit and to the single process within the
                     measured noise floor
@@ -82,8 +82,9 @@ def images(g: torch.Generator, batch: int = BATCH) -> tuple[torch.Tensor, torch.
 
 
 def image_batches(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """16 images: BatchNorm normalises over 8 per data-parallel rank (2 ranks)."""
-    return images(g, 16)
+    """8 images: BatchNorm normalises over 4 per data-parallel rank (2 ranks), a per-GPU
+    batch as small as a large model leaves room for."""
+    return images(g, 8)
 
 
 def lm_loss(output, target: torch.Tensor) -> torch.Tensor:
