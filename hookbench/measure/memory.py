@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import of, to_device
 from hookbench.measure import parity
 from hookbench.mechanisms.activation_offload import copying_to_host
@@ -367,8 +368,7 @@ def measure_or_fall_back(spec: Any, strategy: str = "foreach", **options: Any
         with torch_log_kept(logged):
             return measure(spec, strategy, **options), None
     except Exception as e:  # noqa: BLE001 - any refusal of fake tensors; eager must then run it
-        first = str(e).splitlines()[0] if str(e) else ""
-        why = f"fake tensors cannot run {of(spec).name}: {type(e).__name__}: {first}"
+        why = f"fake tensors cannot run {of(spec).name}: {one_line(e)}"
     result = measure(spec, strategy, **{**options, "backend": "eager"})
     log = (f"; torch logged {len(logged)} line{'s' * (len(logged) > 1)}, the first: {logged[0]}"
            if logged else "")

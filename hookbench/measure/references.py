@@ -20,8 +20,8 @@ to in the report, the gate and the pytest plugin, which only ask for a verdict h
 Why two: the single process accumulates ``loss / N`` per share, data parallelism sums the
 shares' gradients and divides; both are legal fp32 orders. On timm's resnet10t with SGD and
 Nesterov momentum, 4 images per rank (examples/hf), the two drift 8.5e-5 apart in 3 steps,
-74x the rounding-level tolerance, while ZeRO-2 and DDP agree to the bit. Against DDP a broken reduction (a wrong slice, a bf16 round
-trip) fails at once, however noisy the model.
+74x the rounding-level tolerance, while ZeRO-2 and DDP agree to the bit. Against DDP a broken
+reduction (a wrong slice, a bf16 round trip) fails at once, however noisy the model.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload, of
 from hookbench.measure import zero2_runs
 from hookbench.measure.parity import (NoiseBounds, Snapshot, Tolerance, compare,
@@ -126,8 +127,7 @@ def single_process(workload: Workload, optimizer_class: type, kwargs: dict[str, 
                 try:
                     level = rounding_level(workload, run.model, batches, keys)
                 except Exception as e:  # noqa: BLE001 - a float64 kernel this model lacks
-                    noise, why = None, (f"float64 cannot run this model ({type(e).__name__}: "
-                                        f"{str(e).splitlines()[0] if str(e) else ''})")
+                    noise, why = None, f"float64 cannot run this model ({one_line(e)})"
                 else:
                     noise.add(run, level)
             run.step_on(batches, keys)
