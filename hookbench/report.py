@@ -16,7 +16,8 @@ from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload
 from hookbench.gate.checks import Section, Verdict
 from hookbench.gate.workload_checks import DESIGNED, refusal
-from hookbench.measure import references, zero2_runs
+from hookbench.engines import references
+from hookbench.measure import zero2_runs
 from hookbench.measure.memory import (CATEGORIES, MemoryResult, format_bytes,
                                       measure, measure_or_fall_back, table_unit)
 from hookbench.measure.parity import compare, parameters_only, trajectory

@@ -16,7 +16,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "hookbench"
 # The layers, lowest first: a module may import its own layer and those below, never above.
 # The last, the interface, holds the package's top modules too.
-LAYERS = ("mechanisms", "core", "models", "measure", "gate", "cli")
+LAYERS = ("mechanisms", "core", "models", "measure", "engines", "gate", "cli")
 MECHANISMS = tuple(sorted(p.stem for p in (PACKAGE / "mechanisms").glob("*.py")
                           if p.stem != "__init__"))
 

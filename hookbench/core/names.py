@@ -11,7 +11,8 @@ FAULTS = ("fires_twice", "stops_after_first_backward", "never_fires",
           "tracker_misses_allocations", "reduce_scatter_ignores_op", "step_dtype_changed",
           "checkpoint_key_renamed", "new_warning", "compiled_module_skips_forward_hooks",
           "pack_called_twice", "unpack_returns_stale", "offload_keeps_device_copy",
-          "compression_on_exact_tensor")
+          "compression_on_exact_tensor", "fsdp2_forgets_shard_hooks",
+          "reduce_scatter_wrong_slice", "ddp_bucket_reduced_twice")
 REPORT_SECTIONS = ("contract", "optimizer", "capture", "memory", "zero2")
 GATE_SECTIONS = ("hooks", "parity", "numerics", "zero2", "collectives", "checkpoints", "compile",
                  "warnings", "memory", "offload", "workloads", "time")

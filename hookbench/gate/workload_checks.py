@@ -23,6 +23,13 @@ For each ``hookbench.Workload`` (rows keyed ``name/what``):
                                         where DDP itself exceeds that: ``references.judge``),
                                         no gradient left on a parameter, every hook once; an
                                         optimizer ZeRO-2 refuses is a recorded refusal
+    name/engines/<engine>               the engines users run (``hookbench.engines.verdicts``):
+                                        ddp (accumulation under ``no_sync()``), fsdp2_zero2,
+                                        fsdp2_zero3, fsdp2_in_backward, on the same ranks;
+                                        each bit for bit against DDP, the mixed-precision
+                                        reference or FSDP2 ZeRO-3 where the arithmetic is the
+                                        same, against the single process, and every engine
+                                        hook once per synced backward
     name/capture                        ``ActivationCapture`` on the training forward: the
                                         loss and every gradient bit for bit those without it,
                                         one record per module call, no hook left after it
@@ -62,7 +69,8 @@ from hookbench.core.workload import Workload
 from hookbench.gate.baselines import fingerprint
 from hookbench.gate.checks import Run, Section, trajectory_verdict
 from hookbench.gate.memory import amount, memory_verdict
-from hookbench.measure import references, zero2_runs
+from hookbench.engines import references, verdicts
+from hookbench.measure import zero2_runs
 from hookbench.measure.memory import measure_or_fall_back
 from hookbench.measure.parity import Tolerance, accepts, compare, tolerance, trajectory
 from hookbench.mechanisms.zero2 import ELEMENTWISE
@@ -217,14 +225,21 @@ def bucket(workload: Workload) -> int:
 
 def zero2(workloads: list[Workload], fault: str | None = None,
           timeout: float = 300.0) -> dict[str, dict[str, Any]]:
-    """ZeRO-2 on ``ZERO2_RANKS`` gloo ranks for every workload, and torch's DDP beside it, from
-    one start of the ranks (a fault is injected into ZeRO-2 only): each judged against DDP and
-    the single process (``references.judge``), every hook once, no gradient left."""
+    """ZeRO-2 on ``ZERO2_RANKS`` gloo ranks for every workload, torch's DDP beside it, and the
+    engines' runs (``engines.verdicts``), from one start of the ranks (a fault is injected
+    into ZeRO-2 and the engines, never into the DDP that judges ZeRO-2): ZeRO-2 judged against
+    DDP and the single process (``references.judge``), every hook once, no gradient left; each
+    engine's row as ``verdicts.judge`` holds it."""
     cases = [dict(spec=w, optimizer_class=w.optimizer[0], kwargs=forloop_options(w),
                   bucket_numel=bucket(w), steps=STEPS, fault=fault) for w in workloads]
-    ranks = launch.run(references.ranks, ZERO2_RANKS, references.with_ddp(cases),
+    skipped = {w.name: verdicts.not_applicable(w, STEPS, ZERO2_RANKS) for w in workloads}
+    engine_cases = [verdicts.cases(w, forloop_options(w), STEPS, skipped[w.name], fault)
+                    for w in workloads]
+    ranks = launch.run(references.ranks, ZERO2_RANKS,
+                       [*references.with_ddp(cases), *(c for w in engine_cases for c in w)],
                        timeout=timeout)
     out = {}
+    start = 2 * len(cases)
     for i, (w, case) in enumerate(zip(workloads, cases)):
         def row(i: int = i, w: Workload = w, case: dict = case) -> dict[str, Any]:
             got = [rank[i] for rank in ranks]
@@ -242,9 +257,7 @@ def zero2(workloads: list[Workload], fault: str | None = None,
                 problems.append("DDP's ranks hold different parameters")
             reference, rounding, note = references.single_process(
                 w, w.optimizer[0], case["kwargs"], STEPS, ZERO2_RANKS)
-            # Another order of the fp32 gradient sum (and of a clipping norm): an ulp apart,
-            # which autocast turns into a low-precision rounding now and then, as above.
-            t = _AUTOCAST_TOLERANCE.get(w.precision, zero2_runs.TOLERANCE)
+            t = _zero2_tolerance(w)
             verdict = references.judge(w, got[0]["snapshots"], ddp[0]["snapshots"], reference,
                                        rounding, note, t)
             return {**fingerprint(got[0]["snapshots"], SAMPLE),
@@ -253,7 +266,46 @@ def zero2(workloads: list[Workload], fault: str | None = None,
                     "tolerance": {"rtol": t.rtol, "atol": t.atol}}
 
         out[f"{w.name}/zero2"] = attempt(row)
+        n = len(engine_cases[i])
+        runs = [[rank[j] for rank in ranks] for j in range(start, start + n)]
+        start += n
+        out.update(_engine_rows(w, case["kwargs"], skipped[w.name], runs))
     return out
+
+
+def _zero2_tolerance(w: Workload) -> Tolerance:
+    # Another order of the fp32 gradient sum (and of a clipping norm): an ulp apart, which
+    # autocast turns into a low-precision rounding now and then, as above.
+    return _AUTOCAST_TOLERANCE.get(w.precision, zero2_runs.TOLERANCE)
+
+
+def _engine_rows(w: Workload, kwargs: dict[str, Any], skipped: dict[str, str],
+                 runs: list[list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """``name/engines/<engine>`` rows: a fingerprint of rank 0's parameters, the verdict."""
+    def judged() -> dict[str, dict[str, Any]]:
+        ran = [e for e in verdicts.ENGINES if e not in skipped]
+        t = _zero2_tolerance(w)
+        rows = verdicts.judge(w, dict(zip(ran, runs)), kwargs, STEPS, ZERO2_RANKS, t)
+        for engine, row in rows.items():
+            if "snapshots" in row:
+                snapshots = row.pop("snapshots")
+                rows[engine] = {**fingerprint(snapshots, SAMPLE), **row,
+                                "tolerance": {"rtol": t.rtol, "atol": t.atol}}
+            elif "refused" in row:
+                rows[engine] = {"refused": refused_words(row["refused"])}
+        # the optimizer in backward under FSDP2 refuses what it refuses on one device
+        why, got = refusal(w, "in_backward"), rows.get("fsdp2_in_backward", {})
+        if why and "refused" not in got and "fsdp2_in_backward" in rows:
+            got.setdefault("problems", []).append(f"trained the workload; it must refuse ({why})")
+        elif not why and "refused" in got:
+            rows["fsdp2_in_backward"] = {"problems": [f"refused: {got['refused']}"]}
+        return rows
+
+    rows = attempt(judged)
+    if "error" in rows or "skipped" in rows:  # the judging itself stopped: every row says so
+        return {f"{w.name}/engines/{e}": rows for e in verdicts.ENGINES}
+    return {f"{w.name}/engines/{e}": ({"not_applicable": skipped[e]} if e in skipped
+                                      else rows[e]) for e in verdicts.ENGINES}
 
 
 def capture(workload: Workload) -> dict[str, dict[str, Any]]:
@@ -352,9 +404,10 @@ def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str
         out.update(trajectories(w))
     try:
         out.update(zero2(workloads, fault))
-    except Exception as e:  # noqa: BLE001 - a crashed or late rank fails the ZeRO-2 rows
-        out.update({f"{w.name}/zero2": {"error": one_line(e)}
-                    for w in workloads})
+    except Exception as e:  # noqa: BLE001 - a crashed or late rank fails the ranks' rows
+        out.update({key: {"error": one_line(e)} for w in workloads
+                    for key in (f"{w.name}/zero2", *(f"{w.name}/engines/{engine}"
+                                                     for engine in verdicts.ENGINES))})
     for w in workloads:
         out.update(capture(w))
         out.update(memory(w))

@@ -10,7 +10,8 @@ from typing import Any
 from hookbench.core import launch
 from hookbench.gate.baselines import fingerprint
 from hookbench.gate.checks import Run, Section, trajectory_rows
-from hookbench.measure import references, zero2_runs
+from hookbench.engines import references
+from hookbench.measure import zero2_runs
 from hookbench.measure.parity import compare, parameters_only, trajectory
 
 FAULTS = None

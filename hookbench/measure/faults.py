@@ -13,7 +13,9 @@ save a param-group key under a new name; ``new_warning`` makes forward-hook regi
 ``compiled_module_skips_forward_hooks`` makes a ``torch.compile``'d model skip its submodules'
 forward hooks; saved-tensor faults make ``saved_tensors_hooks`` call pack twice per tensor or
 unpack hand back the tensor unpacked before (``unpack_returns_stale``), make activation offload
-keep each offloaded tensor's device copy alive, or compress in lossless mode.
+keep each offloaded tensor's device copy alive, or compress in lossless mode; engine faults make
+FSDP2 forget the hooks on its shards, the reduce-scatter hand a rank its neighbour's slice, or
+DDP hand each gradient bucket to its communication hook twice.
 The fault tests, ``pytest --hookbench-fault NAME``
 and ``hookbench selfcheck`` run the checks under each fault and require that they fail.
 """
@@ -361,6 +363,69 @@ def _compresses_exact_tensors(original: Callable) -> Callable:
     return _compressed
 
 
+def _fsdp2_reduction() -> list[tuple[object, str]]:
+    # FSDP2's param group calls foreach_reduce by the name it imported; torch 2.4 and 2.5 keep
+    # FSDP2 at torch.distributed._composable.fsdp
+    for name in ("torch.distributed.fsdp._fully_shard._fsdp_param_group",
+                 "torch.distributed._composable.fsdp._fsdp_param_group"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        if hasattr(module, "foreach_reduce"):
+            return [(module, "foreach_reduce")]
+    raise ImportError("this torch has no FSDP2 foreach_reduce to break")
+
+
+def _forgets_shard_hooks(original: Callable) -> Callable:
+    # FSDP2 reduce-scatters and assigns every shard's gradient, but no longer calls the hooks
+    # registered on the shards (as FSDP2 did before it learnt to): the optimizer in backward
+    # never steps, a counting hook counts nothing.
+    def foreach_reduce(fsdp_params, *args, **kwargs):
+        hidden = [(fp.sharded_param, fp.sharded_param._post_accumulate_grad_hooks)
+                  for fp in fsdp_params]
+        for param, _ in hidden:
+            param._post_accumulate_grad_hooks = None
+        try:
+            return original(fsdp_params, *args, **kwargs)
+        finally:
+            for param, hooks in hidden:
+                param._post_accumulate_grad_hooks = hooks
+
+    return foreach_reduce
+
+
+def _hands_wrong_slice(original: Callable) -> Callable:
+    # Each rank receives its reduced slice shifted by one element: a neighbour's data.
+    def reduce_scatter(output, input, *args, **kwargs):
+        work = original(output, input, *args, **kwargs)
+        if work is not None:
+            work.wait()
+        output.copy_(output.roll(1))
+        return work
+
+    return reduce_scatter
+
+
+def _comm_hook_registration() -> list[tuple[object, str]]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return [(DistributedDataParallel, "register_comm_hook")]
+
+
+def _reduces_each_bucket_twice(original: Callable) -> Callable:
+    # DDP hands every gradient bucket to the communication hook twice. The mean of a mean is
+    # the mean again, so the numbers may not move: only the hook's calls show it.
+    def register_comm_hook(self, state, hook):
+        def twice(state, bucket):  # unannotated: DDP checks the annotations it finds
+            hook(state, bucket).wait()
+            return hook(state, bucket)
+
+        return original(self, state, twice)
+
+    return register_comm_hook
+
+
 _ABSENT = object()
 
 Swap = tuple[Callable[[], list[tuple[object, str]]], Callable[[Callable], Callable]]
@@ -390,6 +455,9 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "unpack_returns_stale": (_saved_tensors_hooks, _unpacks_stale),
     "offload_keeps_device_copy": (_offloading, _keeps_device_copies),
     "compression_on_exact_tensor": (_compression, _compresses_exact_tensors),
+    "fsdp2_forgets_shard_hooks": (_fsdp2_reduction, _forgets_shard_hooks),
+    "reduce_scatter_wrong_slice": (_reduce_scatters, _hands_wrong_slice),
+    "ddp_bucket_reduced_twice": (_comm_hook_registration, _reduces_each_bucket_twice),
 }
 assert tuple(FAULTS) == names.FAULTS, "hookbench.core.names.FAULTS lists the faults"
 HOOK_FAULTS = [name for name, fault in FAULTS.items()

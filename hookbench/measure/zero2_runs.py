@@ -4,7 +4,6 @@ benchmarks and the tests run on each rank (through ``hookbench.core.launch``).
     trajectory / trajectories   train a spec with ZeRO-2 on this rank's share of each batch;
                                 the parameters after every step and what each backward left
     Lockstep / follow           ZeRO-2 steps led by rank 0, to time a step from one process
-    fsdp2_trajectory            the peer: the same training with FSDP2, torch's own ZeRO-2
     rank_memory                 this rank's measured memory for one step
     parity_cases, TOLERANCE     what parity with single-process training is checked on, and how
 """
@@ -26,7 +25,7 @@ from hookbench.mechanisms.zero2 import Zero2
 from hookbench.models.zoo import TinySpec
 
 __all__ = ["PARITY_OPTIMIZERS", "PARITY_SPEC", "TOLERANCE", "Lockstep", "follow",
-           "fsdp2_trajectory", "local_batch", "mixed_reference", "own_masters", "own_part",
+           "local_batch", "mixed_reference", "own_masters", "own_part",
            "parity_cases", "rank_device", "rank_memory", "rank_problems", "trajectories",
            "trajectory"]
 
@@ -210,18 +209,26 @@ def mixed_reference(spec: Any, optimizer_class: type, kwargs: dict, steps: int, 
     fp16: a ``torch.amp.GradScaler`` (``loss_scaling``: its options) scales each loss, unscales
     the masters' gradients and skips a step on an inf/NaN. ``clipping``:
     ``torch.nn.utils.clip_grad_norm_`` on the masters' (unscaled) gradients before each step.
-    Returns the parameters after every step, the final masters, flat, and (fp16) the loss
-    scale after every step."""
+    The workload's param groups and scheduler apply to the masters. Returns the parameters
+    after every step, the final masters, flat, the masters by name after every step
+    (``"master_steps"``), and (fp16) the loss scale after every step."""
     reduce_dtype = reduce_dtype or param_dtype
     model = of(spec).build()
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    trainable = [p for _, p in named]
     masters = [p.detach().clone() for p in trainable]
+    master_of = {id(p): m for p, m in zip(trainable, masters)}
+    groups = of(spec).optimizer_params(model)  # the workload's param groups, on the masters
+    groups = masters if groups is None else [
+        {**g, "params": [master_of[id(p)] for p in g["params"] if id(p) in master_of]}
+        for g in groups]
     for p in trainable:
         p.data = p.data.to(param_dtype)
-    opt = optimizer_class(masters, **kwargs)
+    opt = optimizer_class(groups, **kwargs)
+    scheduler = of(spec).scheduler(opt)
     scaler = (torch.amp.GradScaler("cpu", **(loss_scaling or {}))
               if param_dtype == torch.float16 else None)
-    snapshots, scales = [], []
+    snapshots, scales, master_steps = [], [], []
     for i in range(steps):
         total = [torch.zeros(p.numel(), dtype=reduce_dtype) for p in trainable]
         for micro in range(accumulation):
@@ -250,12 +257,15 @@ def mixed_reference(spec: Any, optimizer_class: type, kwargs: dict, steps: int, 
             scaler.update()
             scales.append(scaler.get_scale())
         opt.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
         with torch.no_grad():
             for p, m in zip(trainable, masters):
                 p.copy_(m)
         snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        master_steps.append({n: m.detach().clone() for (n, _), m in zip(named, masters)})
     return {"snapshots": snapshots, "masters": torch.cat([m.reshape(-1) for m in masters]),
-            "scales": scales}
+            "master_steps": master_steps, "scales": scales}
 
 
 class Lockstep:
@@ -314,34 +324,6 @@ def follow(rank: int, world: int, *args: Any, lockstep: type[Lockstep] = Lockste
         while lock.step():
             steps += 1
     return steps
-
-
-def fsdp2_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
-                     steps: int = 5, param_dtype: torch.dtype | None = None,
-                     reduce_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The peer: the same training with FSDP2 ``fully_shard(reshard_after_forward=False)``,
-    torch's own ZeRO-2 analogue, on the same group; the full parameters at the end. With
-    ``param_dtype``, under ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``: FSDP2 keeps the
-    sharded fp32 parameters as the masters, and those are returned."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    device = rank_device(rank)
-    mesh = init_device_mesh(torch.device(device).type, (world,))
-    spec = of(spec)
-    model = spec.build().to(device)
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for layer in model.children():
-        if any(p.requires_grad for p in layer.parameters()):
-            fully_shard(layer, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-    opt = optimizer_class(model.parameters(), **kwargs)
-    for i in range(steps):
-        x, y = local_batch(spec, i, rank, world, device)
-        spec.compute_loss(model, x, y).backward()
-        opt.step()
-        opt.zero_grad()
-    return {n: p.full_tensor().detach().cpu().clone() for n, p in model.named_parameters()}
 
 
 def rank_memory(rank: int, world: int, spec: Any, kwargs: dict) -> dict[str, Any]:

@@ -33,6 +33,11 @@ before anything changes:
   construction, an fp16 autocast forward of the model is refused before it runs, and
   ``scaler.step(opt)`` raises (the gradients were already applied, still scaled). bfloat16
   autocast needs no scaling and matches a standard step bit for bit;
+* on FSDP2 (``fully_shard``: the parameters are DTensor shards, and FSDP2 calls their hooks
+  itself after each reduce-scatter), ``accumulation_steps > 1``: accumulate with
+  ``set_requires_gradient_sync(False)`` instead. A backward in which FSDP2 assigned a shard its
+  gradient without calling its hook (as torch 2.4's FSDP2 does) raises at its end, before any
+  step;
 * reentrant activation checkpointing: its nested backward fires the hook of a parameter used
   inside and outside the checkpoint once in each, which would step it twice on partial
   gradients. A ``torch.utils.checkpoint`` node with ``use_reentrant=True`` in the graph of the
@@ -70,6 +75,12 @@ _REENTRANT_ADVICE = (
     "backward fires the hook of a parameter used inside and outside the checkpoint once in "
     "each, so the optimizer in backward would step it twice on partial gradients. Use "
     "checkpoint(..., use_reentrant=False), which matches a standard step bit for bit."
+)
+_FSDP2_ACCUMULATION_ADVICE = (
+    "accumulation_steps > 1 on FSDP2-sharded parameters: FSDP2 calls the shards' hooks only "
+    "when it reduce-scatters, so count micro-batches its way instead: call "
+    "model.set_requires_gradient_sync(False) for all but the last micro-batch of a step and "
+    "keep accumulation_steps=1; the step then runs on the accumulated, reduced gradient."
 )
 _CLIP_KEYS = ("max_grad_norm", "clip_grad_norm", "grad_clip", "max_norm")
 _CLIP_ADVICE = (
@@ -130,6 +141,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
         # registered, so bad input leaves the model exactly as it was.
         _check_arguments(model, optimizer_class, accumulation_steps, grouped, bucket_cap_mb)
         names = {p: n for n, p in model.named_parameters()}
+        sharded = [p for p in names if _is_dtensor(p)]
+        if sharded and accumulation_steps != 1:
+            raise ValueError(_FSDP2_ACCUMULATION_ADVICE)
         groups = _normalize_groups(params, names, defaults)
         # A probe on a dummy tensor validates the options (torch raises on a negative lr, ...)
         # and fills in the class defaults, so state_dict() reads exactly like that of
@@ -145,6 +159,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self.grouped = grouped
         self.bucket_cap_mb = bucket_cap_mb
         self._kwargs = defaults
+        self._sharded = sharded
         self._units: list[_Unit] = []
         self._handles: list[RemovableHandle] = [
             # Refusals that must come before anything changes: an fp16 autocast forward before
@@ -153,6 +168,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 _refuse_fp16_autocast, {p.device.type for p in names})),
             model.register_forward_hook(_refuse_reentrant_checkpoint),
         ]
+        if self._sharded:  # FSDP2 calls the hooks itself: check at each backward's end
+            self._handles.append(model.register_forward_hook(self._watch_backward))
         self._backwards = 0  # backward passes (graph tasks) that reached a hook of ours
         self._graph_task = -1
         self._attach(units)
@@ -194,6 +211,32 @@ class OptimizerInBackward(torch.optim.Optimizer):
         unit.ready += 1
         if unit.ready == len(unit.params):
             self._finish(unit)
+
+    def _watch_backward(self, module: nn.Module, args: Any, output: Any) -> None:
+        # When backward reaches the output, queue a check behind FSDP2's own end-of-backward
+        # callback (queued during backward; a callback queued from a callback runs last).
+        engine = torch.autograd.Variable._execution_engine
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad: engine.queue_callback(
+                    lambda: engine.queue_callback(self._check_sharded_hooks_ran)))
+                return
+
+    def _check_sharded_hooks_ran(self) -> None:
+        # FSDP2 assigns each shard its reduced gradient and then calls the shard's hooks,
+        # which step it and free the gradient. A shard holding a gradient whose hook did not
+        # run in this backward means FSDP2 assigned it and never called us: nothing stepped.
+        task = torch._C._current_graph_task_id()
+        missed = [self._name(p) for u in self._units for p in u.params
+                  if p.requires_grad and p.grad is not None and u.fired.get(id(p)) != task
+                  and _is_dtensor(p)]
+        if missed:
+            raise RuntimeError(
+                f"FSDP2 reduce-scattered the gradients of {len(missed)} sharded parameters "
+                f"(e.g. '{missed[0]}') without calling their post-accumulate-grad hooks, so "
+                f"the optimizer in backward did not step them. This torch's FSDP2 does not "
+                f"run the hooks on its shards (torch 2.4's did not); use a standard "
+                f"optimizer.step() with FSDP2 on it.")
 
     def _end_of_backward(self) -> None:
         # A unit whose parameters did not all receive a gradient in this backward (an unused
@@ -330,6 +373,12 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def inner_optimizers(self) -> list[torch.optim.Optimizer]:
         """The per-parameter (or per-module) optimizers, for inspection."""
         return [u.optimizer for u in self._units]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (a parameter FSDP2 sharded), without importing
+    torch.distributed where it is not built."""
+    return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
 
 
 def _check_arguments(model: Any, optimizer_class: Any, accumulation_steps: Any, grouped: bool,

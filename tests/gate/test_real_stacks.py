@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parents[2] / "examples" / "hf"))
 from hfstack.workloads import GPT2, LLAMA_BF16, VIT, WORKLOADS  # noqa: E402
 
 from hookbench.gate import workload_checks  # noqa: E402
-from hookbench.measure import references  # noqa: E402
+from hookbench.engines import references  # noqa: E402
 from hookbench.measure.faults import inject  # noqa: E402
 
 pytestmark = pytest.mark.peers

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hookbench.core import launch
+from hookbench.engines import fsdp2
 from hookbench.measure import zero2_runs
 from hookbench.measure.memory import measure
 from hookbench.measure.parity import FAMILIES, compare, parameters_only, trajectory
@@ -196,7 +197,7 @@ NEEDS_FSDP2 = pytest.mark.skipif(
 @NEEDS_FSDP2
 def test_same_parameters_as_fsdp2(runs):
     cls, kw = OPTIMIZERS["adam"]
-    peer = launch.run(zero2_runs.fsdp2_trajectory, 2, SPEC, cls, kw, STEPS, timeout=120)[0]
+    peer = launch.run(fsdp2.peer_trajectory, 2, SPEC, cls, kw, STEPS, timeout=120)[0]
     cases, results = runs(2)
     i = next(i for i, c in enumerate(cases) if c["optimizer_class"] is cls
              and c["bucket_numel"] == 50 and "fault" not in c and "accumulation" not in c)
@@ -327,7 +328,7 @@ def test_mixed_precision_matches_fsdp2s_mixed_precision_policy(mixed_runs):
     i = next(i for i, c in enumerate(MIXED_CASES)
              if c == ("adam", torch.float32, 1, None, True))
     cls, kw = OPTIMIZERS["adam"]
-    peer = launch.run(zero2_runs.fsdp2_trajectory, 2, SPEC, cls, kw, STEPS, torch.bfloat16,
+    peer = launch.run(fsdp2.peer_trajectory, 2, SPEC, cls, kw, STEPS, torch.bfloat16,
                       torch.float32, timeout=120)[0]
     ours = torch.cat([rank[i]["masters"][-1][0][1] for rank in ranks])
     theirs = torch.cat([v.reshape(-1) for v in peer.values()])

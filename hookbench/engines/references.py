@@ -1,11 +1,12 @@
 """The references a data-parallel strategy is judged against, in one place: what ZeRO-2 is held
 to in the report, the gate and the pytest plugin, which only ask for a verdict here.
 
-    ddp_trajectory   on every rank: torch's ``DistributedDataParallel`` training the workload on
-                     this rank's share of each batch, on the random numbers that share draws.
-                     The first yardstick: where ZeRO-2 does the same arithmetic (fp32 or
-                     autocast on gloo, an elementwise optimizer, no clipping), bit for bit
-    ranks            on every rank: a list of ZeRO-2 and DDP runs from one start of the ranks
+    DDP              torch's ``DistributedDataParallel`` (``hookbench.engines.ddp``) training the
+                     workload on each rank's share of each batch, on the random numbers that
+                     share draws. The first yardstick: where ZeRO-2 does the same arithmetic
+                     (fp32 or autocast on gloo, an elementwise optimizer, no clipping), bit for
+                     bit
+    ranks            on every rank: a list of ZeRO-2 and engine runs from one start of the ranks
     single_process   in one process: the standard for-loop step on the mean of the ranks'
                      losses, each on its share; the second yardstick, with the bounds of the
                      elements whose gradient is at rounding level (``parity.NoiseBounds``),
@@ -27,19 +28,19 @@ reduction (a wrong slice, a bf16 round trip) fails at once, however noisy the mo
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from hookbench.core.prerequisites import one_line
-from hookbench.core.workload import Workload, of
+from hookbench.core.workload import Workload
+from hookbench.engines import ddp, fsdp2
 from hookbench.measure import zero2_runs
+from hookbench.measure.faults import inject
 from hookbench.measure.parity import (NoiseBounds, Snapshot, Tolerance, compare,
                                       parameters_only, rounding_level, training)
 
-__all__ = ["FLOOR_FACTOR", "ddp_trajectory", "judge", "noise_floor", "ranks", "single_process",
+__all__ = ["ENGINE_RUNS", "FLOOR_FACTOR", "judge", "noise_floor", "ranks", "single_process",
            "with_ddp"]
 
 # Against the single process where DDP itself exceeds the derived tolerance: ZeRO-2 may be up
@@ -49,57 +50,30 @@ __all__ = ["FLOOR_FACTOR", "ddp_trajectory", "judge", "noise_floor", "ranks", "s
 FLOOR_FACTOR = 2.0
 
 
-def ddp_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
-                   steps: int, **_: Any) -> dict[str, Any]:
-    """Train ``spec`` with ``DistributedDataParallel`` on this rank's share of each global batch
-    (run on every rank): the parameters after every step. ``find_unused_parameters=True``, so
-    that a forward that skips layers at random (LayerDrop) trains as it does on one device; no
-    buffer broadcast (ZeRO-2 broadcasts none: BatchNorm statistics stay each rank's own)."""
-    device = zero2_runs.rank_device(rank)
-    spec = of(spec)
-    model = spec.build().to(device)
-    # torch 2.14 renamed broadcast_buffers (a FutureWarning); its successor still syncs the
-    # buffers at init, where every rank's are equal anyway (the same seed builds the model).
-    sync = ({"forward_sync_buffers": False}
-            if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-            else {"broadcast_buffers": False})
-    ddp = DistributedDataParallel(model, find_unused_parameters=True, **sync)
-    params = spec.optimizer_params(model)
-    optimizer = optimizer_class(list(model.parameters()) if params is None else params, **kwargs)
-    scheduler = spec.scheduler(optimizer)
-    scaler = spec.grad_scaler(device)
-    snapshots = []
-    for i in range(steps):
-        x, y = zero2_runs.local_batch(spec, i, rank, world, device)
-        loss = spec.compute_loss(ddp, x, y, (i, rank))
-        (loss if scaler is None else scaler.scale(loss)).backward()
-        if spec.clip_grad_norm is not None:
-            if scaler is not None:
-                scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.clip_grad_norm,
-                                           foreach=False)
-        if scaler is None:
-            optimizer.step()
-        else:
-            scaler.step(optimizer)
-            scaler.update()
-        optimizer.zero_grad()
-        if scheduler is not None:
-            scheduler.step()
-        snapshots.append({n: p.detach().cpu().clone() for n, p in model.named_parameters()})
-    return {"snapshots": snapshots, "error": None}
-
-
 def ranks(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each case on this rank, from one start of the ranks: ``{"engine": "ddp", ...}`` by
-    ``ddp_trajectory``, any other by ``zero2_runs.trajectory`` (its keyword arguments)."""
+    ``ddp.trajectory``, ``"fsdp2"`` by ``fsdp2.trajectory``, any other by
+    ``zero2_runs.trajectory`` (its keyword arguments). An engine run's ``fault`` is injected
+    around it; what it raises under a fault is returned, as ZeRO-2's is, so every rank ends."""
     out = []
     for case in cases:
         case = dict(case)
         engine = case.pop("engine", "zero2")
-        out.append((ddp_trajectory if engine == "ddp" else zero2_runs.trajectory)(
-            rank, world, **case))
+        if engine == "zero2":
+            out.append(zero2_runs.trajectory(rank, world, **case))
+            continue
+        fault = case.pop("fault", None)
+        try:
+            with inject(fault):
+                out.append(ENGINE_RUNS[engine](rank, world, **case))
+        except Exception as e:  # noqa: BLE001 - under a fault anything may break; say what
+            if fault is None:
+                raise
+            out.append({"error": f"{type(e).__name__}: {e}"})
     return out
+
+
+ENGINE_RUNS = {"ddp": ddp.trajectory, "fsdp2": fsdp2.trajectory}
 
 
 def with_ddp(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -109,9 +83,10 @@ def with_ddp(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def single_process(workload: Workload, optimizer_class: type, kwargs: dict[str, Any],
-                   steps: int, world: int) -> tuple[list[Snapshot], list[Snapshot] | None, str]:
+                   steps: int, world: int, accumulation: int = 1
+                   ) -> tuple[list[Snapshot], list[Snapshot] | None, str]:
     """The standard for-loop step on the mean of ``world`` ranks' losses, each on its share of
-    the batch and its random numbers, in one process: the parameters after every step; the
+    the batch and its random numbers (``accumulation`` batches per step), in one process: the parameters after every step; the
     per-step bounds of the elements whose gradient is at rounding level (None where float64
     cannot run the model); and, then, why. Against the whole batch in one forward, low
     precision would round differently (a bf16 mean over 8 rows is not the mean of two bf16 means
@@ -121,8 +96,10 @@ def single_process(workload: Workload, optimizer_class: type, kwargs: dict[str, 
     with training(workload, optimizer_class, kwargs, "forloop") as run:
         snapshots = []
         for i in range(steps):
-            batches = [zero2_runs.local_batch(workload, i, r, world, "cpu") for r in range(world)]
-            keys = [(i, r) for r in range(world)]
+            keys = [(i * accumulation + m, r) for m in range(accumulation)
+                    for r in range(world)]
+            batches = [zero2_runs.local_batch(workload, index, r, world, "cpu")
+                       for index, r in keys]
             if noise is not None:
                 try:
                     level = rounding_level(workload, run.model, batches, keys)

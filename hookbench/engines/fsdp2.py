@@ -1,0 +1,240 @@
+"""FSDP2 (``fully_shard``, what torchtitan and torchtune run) on a workload, in three settings:
+
+    zero2        ``reshard_after_forward=False``: parameters stay gathered from forward to
+                 backward, gradients are reduce-scattered to their shards (ZeRO stage 2)
+    zero3        ``reshard_after_forward=True``: parameters are gathered again in backward
+                 (ZeRO stage 3)
+    in_backward  zero3 with ``OptimizerInBackward`` on the sharded parameters: each shard
+                 stepped by the post-accumulate-grad hook FSDP2 itself calls after the
+                 reduce-scatter (``foreach_reduce``), its gradient freed there
+
+Under the workload's bf16, ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``:
+the fp32 shards are the masters, what torchtitan's default does. Each repeated block (an element
+of an ``nn.ModuleList``, a transformer layer, a ResNet stage's block) is a unit of its own,
+then the root, as torchtitan shards a model; a block whose parameters are shared with a module
+outside it (tied embeddings) stays in its parent's unit.
+
+    trajectory   on every rank: the full parameters after every step and, per backward, the
+                 calls of a counting post-accumulate-grad hook on every shard, what the hook
+                 saw (a reduced shard-sized gradient), and what gradients were left
+    peer_trajectory   the zoo's ZeRO-2 peer: FSDP2 ZeRO-2 on a TinySpec, the final parameters
+    api          ``fully_shard`` and friends wherever this torch keeps them: torch 2.4 and 2.5
+                 have FSDP2 at ``torch.distributed._composable.fsdp``
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any, Iterator
+
+import torch
+
+from hookbench.core.workload import of
+from hookbench.engines.loop import train
+from hookbench.measure.zero2_runs import local_batch, rank_device
+from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
+
+__all__ = ["SETTINGS", "api", "hook_problems", "peer_trajectory", "shard", "trajectory",
+           "units"]
+
+SETTINGS = {"zero2": {"reshard_after_forward": False, "in_backward": False},
+            "zero3": {"reshard_after_forward": True, "in_backward": False},
+            "in_backward": {"reshard_after_forward": True, "in_backward": True}}
+
+
+def api() -> Any:
+    """The module that has ``fully_shard``, ``FSDPModule`` and ``MixedPrecisionPolicy``."""
+    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        module = importlib.import_module(name)
+        if hasattr(module, "fully_shard") and hasattr(module, "MixedPrecisionPolicy"):
+            return module
+    raise ImportError("this torch has no FSDP2 (fully_shard)")
+
+
+def units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules sharded as units of their own (the root aside): every block of an
+    ``nn.ModuleList`` or ``nn.Sequential`` (an element with submodules of its own: a
+    transformer layer, a ResNet block, not a lone Linear) whose trainable parameters no module
+    outside it also holds (tied embeddings), outermost first."""
+    owners: dict[int, set[int]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(module))
+    found: list[torch.nn.Module] = []
+    inside: set[int] = set()
+    for module in model.modules():
+        if (not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential))
+                or id(module) in inside):
+            continue
+        for block in module:
+            own = {id(m) for m in block.modules()}
+            params = [p for p in block.parameters() if p.requires_grad]
+            if (next(block.children(), None) is not None and params
+                    and all(owners[id(p)] <= own for p in params)):
+                found.append(block)
+                inside |= own
+    return found
+
+
+def shard(model: torch.nn.Module, mesh: Any, reshard_after_forward: bool,
+          param_dtype: torch.dtype | None) -> int:
+    """``fully_shard`` every unit and the root; the number of units besides the root."""
+    fsdp = api()
+    policy = fsdp.MixedPrecisionPolicy(param_dtype=param_dtype,
+                                       reduce_dtype=torch.float32 if param_dtype else None)
+    blocks = units(model)
+    for block in blocks:
+        fsdp.fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                         mp_policy=policy)
+    fsdp.fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                     mp_policy=policy)
+    return len(blocks)
+
+
+def _unsharded_grads(model: torch.nn.Module) -> list[str]:
+    """FSDP2's gathered parameters that still hold a gradient after backward (FSDP2 frees each
+    once it is reduce-scattered). Read from its private state; [] where that moved."""
+    left = []
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(state() if state else None, "_fsdp_param_group", None)
+        for fp in getattr(group, "fsdp_params", ()):
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None and unsharded.grad is not None:
+                left.append(fp._param_fqn if hasattr(fp, "_param_fqn") else repr(fp))
+    return left
+
+
+def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
+               steps: int, accumulation: int = 1, setting: str = "zero2",
+               **_: Any) -> dict[str, Any]:
+    """Train ``spec`` with FSDP2 in ``setting`` (``SETTINGS``) on this rank's share of each
+    global batch (run on every rank), ``accumulation`` micro-batches per step with gradient
+    sync off for all but the last. Returns the full parameters after every step, ``units``
+    (blocks sharded besides the root), and per backward ``"hook_calls"`` (shard name -> calls
+    of the counting hook), ``"not_reduced"`` (shards whose hook saw a gradient that is not a
+    shard of the parameter's size), ``"shard_grads"`` (shards holding a gradient after it) and
+    ``"unsharded_grads"``. ``{"refused": ...}`` where the optimizer in backward refuses."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    settings = SETTINGS[setting]
+    device = rank_device(rank)
+    spec = of(spec)
+    model = spec.build().to(device)
+    mesh = init_device_mesh(torch.device(device).type, (world,))
+    param_dtype = torch.bfloat16 if spec.precision == "bf16" else None
+    n_units = shard(model, mesh, settings["reshard_after_forward"], param_dtype)
+    names = {p: n for n, p in model.named_parameters()}
+    calls: dict[str, int] = {}
+    not_reduced: list[str] = []
+
+    def count(p: torch.Tensor) -> None:
+        calls[names[p]] = calls.get(names[p], 0) + 1
+        grad = p.grad
+        local = getattr(grad, "_local_tensor", grad)
+        if grad is None or local.shape != getattr(p, "_local_tensor", p).shape:
+            not_reduced.append(names[p])
+
+    # registered first, so that it runs before the optimizer in backward steps and frees
+    handles = [p.register_post_accumulate_grad_hook(count)
+               for p in model.parameters() if p.requires_grad]
+    params = spec.optimizer_params(model)
+    params = list(model.parameters()) if params is None else params
+    try:
+        if settings["in_backward"]:
+            try:
+                optimizer: Any = OptimizerInBackward(model, optimizer_class, params, **kwargs)
+                if spec.clip_grad_norm is not None:
+                    optimizer.clip_grad_norm_(spec.clip_grad_norm)
+            except ValueError as e:
+                return {"refused": f"{type(e).__name__}: {e}", "error": None}
+        else:
+            optimizer = optimizer_class(params, **kwargs)
+
+        def observe(synced: bool) -> dict[str, Any]:
+            seen = {"synced": synced, "hook_calls": dict(calls),
+                    "not_reduced": list(not_reduced),
+                    "shard_grads": sorted(n for p, n in names.items() if p.grad is not None),
+                    "unsharded_grads": _unsharded_grads(model)}
+            calls.clear()
+            not_reduced.clear()
+            return seen
+
+        result = train(rank, world, spec, model, model, optimizer, device, steps, accumulation,
+                       lambda: _no_sync(model), observe,
+                       lambda: {n: p.full_tensor().detach().cpu().clone()
+                                for n, p in model.named_parameters()})
+        return {**result, "units": n_units}
+    finally:
+        for h in handles:
+            h.remove()
+        if settings["in_backward"] and "optimizer" in locals():
+            optimizer.remove()
+
+
+@contextlib.contextmanager
+def _no_sync(model: torch.nn.Module) -> Iterator[None]:
+    """FSDP2's gradient sync off for one micro-batch, on every unit (``recurse`` defaults on)."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def hook_problems(after_backward: list[dict[str, Any]], trainable: list[str],
+                  in_backward: bool) -> list[str]:
+    """What an FSDP2 run shows wrong: in a synced backward a shard's post-accumulate-grad hook
+    not called exactly once, or called with another gradient than its reduced shard; a hook
+    called in a backward without sync; a gathered gradient left; in backward, a shard's
+    gradient left after its step."""
+    for i, seen in enumerate(after_backward):
+        calls = seen["hook_calls"]
+        if not seen["synced"]:
+            if calls:
+                return [f"backward {i} without gradient sync: hooks called on {sorted(calls)[:3]}"]
+            continue
+        wrong = {n: calls.get(n, 0) for n in trainable if calls.get(n, 0) != 1}
+        if wrong:
+            shown = dict(list(wrong.items())[:3])
+            return [f"backward {i}: the shards' post-accumulate-grad hooks were called "
+                    f"{shown} times (every shard once expected; {len(wrong)} of "
+                    f"{len(trainable)} differ)"]
+        if seen["not_reduced"]:
+            return [f"backward {i}: hooks saw no reduced shard gradient on "
+                    f"{seen['not_reduced'][:3]}"]
+        if seen["unsharded_grads"]:
+            return [f"backward {i}: gathered gradients left on {seen['unsharded_grads'][:3]}"]
+        if in_backward and seen["shard_grads"]:
+            return [f"backward {i}: shard gradients left after their step on "
+                    f"{seen['shard_grads'][:3]}"]
+    return []
+
+
+def peer_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
+                    steps: int = 5, param_dtype: torch.dtype | None = None,
+                    reduce_dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The zoo's ZeRO-2 peer: ``spec`` trained with FSDP2 ``reshard_after_forward=False``, each
+    child with parameters a unit, on the same group; the full parameters at the end. With
+    ``param_dtype``, under ``MixedPrecisionPolicy(param_dtype, reduce_dtype)``: FSDP2 keeps the
+    sharded fp32 parameters as the masters, and those are returned."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fsdp = api()
+    device = rank_device(rank)
+    mesh = init_device_mesh(torch.device(device).type, (world,))
+    spec = of(spec)
+    model = spec.build().to(device)
+    policy = fsdp.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for layer in model.children():
+        if any(p.requires_grad for p in layer.parameters()):
+            fsdp.fully_shard(layer, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    fsdp.fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    opt = optimizer_class(model.parameters(), **kwargs)
+    for i in range(steps):
+        x, y = local_batch(spec, i, rank, world, device)
+        spec.compute_loss(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.full_tensor().detach().cpu().clone() for n, p in model.named_parameters()}

@@ -1,0 +1,64 @@
+"""The training loop every engine runs on its ranks: the workload's own loop (its batches, loss,
+random numbers, param groups, scheduler, clipping, loss scaling), with the engine's gradient
+synchronisation switched off for all but the last micro-batch of a step, and what each
+backward left recorded by the engine's ``observe``.
+
+Every engine trains rank ``r`` on share ``r`` of each global batch (``zero2_runs.local_batch``)
+on the random numbers that share draws (``Workload.forward_rng`` key ``(index, r)``), so the
+engines, ZeRO-2 and the single-process reference see the same data and the same dropout masks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ContextManager
+
+import torch
+
+from hookbench.core.workload import Workload
+from hookbench.measure.zero2_runs import local_batch
+
+__all__ = ["ACCUMULATION", "train"]
+
+# Micro-batches per optimizer step in the engines' rows: the first under the engine's no-sync
+# (DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``), the second reduced.
+# Two is the fewest that exercises both paths.
+ACCUMULATION = 2
+
+
+def train(rank: int, world: int, spec: Workload, model: torch.nn.Module, wrapped: Any,
+          optimizer: Any, device: str, steps: int, accumulation: int,
+          no_sync: Callable[[], ContextManager], observe: Callable[[bool], dict[str, Any]],
+          full_parameters: Callable[[], dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Train ``wrapped`` (the engine's model; ``model`` the module whose parameters the
+    optimizer holds) for ``steps`` optimizer steps of ``accumulation`` micro-batches. After
+    each backward ``observe(synced)`` says what it left (hook calls, gradients); after each
+    step ``full_parameters()`` gives every parameter whole, on the CPU."""
+    scheduler = spec.scheduler(optimizer)
+    scaler = spec.grad_scaler(device)
+    snapshots, after_backward = [], []
+    for i in range(steps):
+        for micro in range(accumulation):
+            index = i * accumulation + micro
+            synced = micro == accumulation - 1
+            x, y = local_batch(spec, index, rank, world, device)
+            with contextlib.nullcontext() if synced else no_sync():
+                loss = spec.compute_loss(wrapped, x, y, (index, rank)) / accumulation
+                (loss if scaler is None else scaler.scale(loss)).backward()
+            after_backward.append(observe(synced))
+        if spec.clip_grad_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters()
+                                            if p.grad is not None], spec.clip_grad_norm,
+                                           foreach=False)
+        if scaler is None:
+            optimizer.step()
+        else:
+            scaler.step(optimizer)
+            scaler.update()
+        optimizer.zero_grad()
+        if scheduler is not None:
+            scheduler.step()
+        snapshots.append(full_parameters())
+    return {"snapshots": snapshots, "after_backward": after_backward, "error": None}

@@ -1,0 +1,180 @@
+"""A workload under the engines: which runs to start on the ranks, and each engine's verdict.
+
+    ENGINES          the rows, ``<workload>/engines/<engine>``:
+                       ddp                DDP, ACCUMULATION micro-batches per step, the first
+                                          under ``no_sync()``
+                       fsdp2_zero2        FSDP2 ``reshard_after_forward=False``, the same
+                                          accumulation under ``set_requires_gradient_sync``
+                       fsdp2_zero3        ``reshard_after_forward=True``
+                       fsdp2_in_backward  zero3 with ``OptimizerInBackward`` on the shards
+    not_applicable   the engines that cannot train a workload, and why, before any rank starts
+    cases            the runs for ``references.ranks`` (a fault goes into every engine run)
+    judge            the rows from what the ranks returned
+
+What each row is held to:
+    ddp       every bucket reduced once per synced backward, none under ``no_sync()`` (the
+              comm hook's calls); both ranks' parameters equal; against one process training
+              on the ranks' shares with the same accumulation within the derived tolerance and
+              rounding-level bounds (``references``). Where DDP is further from it than that
+              (BatchNorm over small shares: another legal fp32 order), it holds only if FSDP2
+              ZeRO-2, another engine, agrees with DDP to the bit.
+    fsdp2_*   every shard's post-accumulate-grad hook called once per synced backward with its
+              reduced shard gradient, never without sync; no gathered gradient left; both
+              ranks equal. fp32: against DDP bit for bit (with 2 ranks FSDP2's AVG and DDP's
+              divide-then-sum are the same fp32 arithmetic: halving is exact), then against one
+              process as ZeRO-2 is (``references.judge``). bf16: FSDP2 runs
+              ``MixedPrecisionPolicy(bf16, reduce fp32)``, other arithmetic than DDP's autocast;
+              its fp32 shards against ``zero2_runs.mixed_reference`` (a bf16 model, fp32
+              masters, the same reduction), bit for bit. Clipping (the norm summed shard by
+              shard) or a compiled model: within the tolerance instead.
+    fsdp2_in_backward   also no shard gradient left after its step; bit for bit fsdp2_zero3
+              (the same arithmetic, stepped earlier); refused in words with clipping or fp16.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hookbench.core.workload import Workload
+from hookbench.engines import ddp, fsdp2, references
+from hookbench.engines.loop import ACCUMULATION
+from hookbench.measure import zero2_runs
+from hookbench.measure.parity import Tolerance, compare
+from hookbench.mechanisms.zero2 import ELEMENTWISE
+
+__all__ = ["ENGINES", "cases", "judge", "not_applicable"]
+
+ENGINES = ("ddp", "fsdp2_zero2", "fsdp2_zero3", "fsdp2_in_backward")
+
+
+def _uneven_gradients(workload: Workload, steps: int, world: int) -> str | None:
+    """Where ranks would compute gradients for different parameters in one micro-batch (a
+    forward that skips layers at random, LayerDrop), which: FSDP2 reduce-scatters the
+    gradients a rank has, so ranks that differ would send collectives of other sizes and
+    hang. Found by one process running each rank's share, as the ranks would."""
+    model = workload.build()
+    for index in range(steps * ACCUMULATION):
+        sets = []
+        for rank in range(world):
+            x, y = zero2_runs.local_batch(workload, index, rank, world, "cpu")
+            workload.compute_loss(model, x, y, (index, rank)).backward()
+            sets.append({n for n, p in model.named_parameters() if p.grad is not None})
+            model.zero_grad(set_to_none=True)
+        if len({frozenset(s) for s in sets}) > 1:
+            differ = sorted(set.union(*sets) - set.intersection(*sets))
+            return (f"in micro-batch {index} the ranks compute gradients for different "
+                    f"parameters ({len(differ)}, e.g. {differ[0]}: the forward skips layers "
+                    f"at random); FSDP2 reduce-scatters only the gradients a rank has, so the "
+                    f"ranks' collectives would not match (DDP's find_unused_parameters "
+                    f"handles this)")
+    return None
+
+
+def not_applicable(workload: Workload, steps: int, world: int) -> dict[str, str]:
+    """Engine -> why it cannot train ``workload``, for those that cannot."""
+    cls = workload.optimizer[0]
+    why = None
+    if cls not in ELEMENTWISE:
+        why = (f"FSDP2 steps each rank's DTensor shard of every parameter; {cls.__name__} "
+               f"is not known to update parameters elementwise (nor to step DTensors)")
+    elif workload.compile is not None:
+        why = "hookbench's FSDP2 rows train eager models (a compiled one is not sharded here)"
+    else:
+        why = _uneven_gradients(workload, steps, world)
+    return dict.fromkeys(ENGINES[1:], why) if why else {}
+
+
+def cases(workload: Workload, kwargs: dict[str, Any], steps: int, skip: dict[str, str],
+          fault: str | None) -> list[dict[str, Any]]:
+    """The runs for ``references.ranks``: one per engine not in ``skip``, in ENGINES order."""
+    base = dict(spec=workload, optimizer_class=workload.optimizer[0], kwargs=kwargs,
+                steps=steps, accumulation=ACCUMULATION, fault=fault)
+    return [{**base, "engine": "ddp"} if engine == "ddp" else
+            {**base, "engine": "fsdp2", "setting": engine.removeprefix("fsdp2_")}
+            for engine in ENGINES if engine not in skip]
+
+
+def _ranks_agree(got: list[dict[str, Any]]) -> list[str]:
+    return [f"rank {r} holds other parameters than rank 0" for r, g in enumerate(got[1:], 1)
+            if not compare(g["snapshots"], got[0]["snapshots"]).bit_exact]
+
+
+def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict[str, Any],
+          steps: int, world: int, tol: Tolerance) -> dict[str, dict[str, Any]]:
+    """Each engine's row from its ranks' results (``got``: engine -> per-rank results):
+    ``problems``, ``parity`` (what was compared, in words) and ``snapshots`` (rank 0's), or a
+    designed outcome (``refused``)."""
+    with torch.device("meta"):
+        trainable = [n for n, p in workload.build().named_parameters() if p.requires_grad]
+    cls = workload.optimizer[0]
+    single, rounding, why = references.single_process(workload, cls, kwargs, steps, world,
+                                                      accumulation=ACCUMULATION)
+    differs = [w for cond, w in ((workload.clip_grad_norm is not None,
+                                  "the clipping norm is summed shard by shard"),
+                                 (workload.compile is not None, "the model is compiled"))
+               if cond]
+    exact = tol if differs else None  # None: bit for bit
+    how = f" ({'; '.join(differs)}: within tolerance)" if differs else ""
+    out: dict[str, dict[str, Any]] = {}
+    for engine, ranks in got.items():
+        if any(r.get("error") for r in ranks):
+            out[engine] = {"problems": [f"rank {i}: {r['error']}"
+                                        for i, r in enumerate(ranks) if r.get("error")]}
+        elif "refused" in ranks[0]:
+            out[engine] = {"refused": ranks[0]["refused"]}
+        else:
+            problems = (ddp.bucket_problems(ranks[0]["after_backward"], trainable)
+                        if engine == "ddp" else fsdp2.hook_problems(
+                            ranks[0]["after_backward"], trainable,
+                            engine == "fsdp2_in_backward"))
+            out[engine] = {"problems": problems + _ranks_agree(ranks),
+                           "snapshots": ranks[0]["snapshots"]}
+    snaps = {e: row["snapshots"] for e, row in out.items() if "snapshots" in row}
+    mixed = workload.precision == "bf16"
+    if mixed and any(e.startswith("fsdp2") for e in snaps):
+        mixed_ref = zero2_runs.mixed_reference(
+            workload, cls, kwargs, steps, world, torch.bfloat16, torch.float32,
+            accumulation=ACCUMULATION, clipping=workload.clip_grad_norm or 0.0)["master_steps"]
+    for engine, row in out.items():
+        if "snapshots" not in row:
+            continue
+        words = []
+        if engine == "ddp":
+            result = compare(snaps["ddp"], single, tol, rounding)
+            words.append(f"vs one process on the ranks' shares: {result.verdict()}")
+            if not result.ok:
+                peer = snaps.get("fsdp2_zero2")
+                if not mixed and peer is not None and compare(peer, snaps["ddp"], exact).ok:
+                    words[-1] = (f"vs one process on the ranks' shares: {result.ratio:.3g}x "
+                                 f"the tolerance, another legal fp32 order, confirmed by FSDP2 "
+                                 f"ZeRO-2 matching DDP{how or ' bit for bit'}: this "
+                                 f"workload's noise floor")
+                else:
+                    row["problems"].append(words[-1])
+        elif engine == "fsdp2_in_backward":
+            if "fsdp2_zero3" in snaps:
+                result = compare(row["snapshots"], snaps["fsdp2_zero3"])
+                words.append(f"vs FSDP2 ZeRO-3 with a standard step: {result.verdict()}")
+                if not result.ok:
+                    row["problems"].append(words[-1])
+            else:
+                row["problems"].append("no FSDP2 ZeRO-3 run to compare with")
+        elif mixed:
+            result = compare(row["snapshots"], mixed_ref, exact)
+            words.append(f"fp32 shards vs one process with bf16 parameters and fp32 masters: "
+                         f"{result.verdict()}{how}")
+            if not result.ok:
+                row["problems"].append(words[-1])
+        elif "ddp" in snaps:
+            verdict = references.judge(workload, row["snapshots"], snaps["ddp"], single,
+                                       rounding, why, tol)
+            words.append(verdict["parity"])
+            row["problems"] += verdict["problems"]
+        else:
+            row["problems"].append("no DDP run to compare with")
+        if engine.startswith("fsdp2") and "units" in got[engine][0]:
+            words.append(f"{got[engine][0]['units']} blocks sharded besides the root")
+        row["parity"] = "; ".join(words)
+    return out
