@@ -16,8 +16,10 @@ from hookbench.cli import common
 from hookbench.core import names
 from hookbench.core.prerequisites import attempt
 from hookbench.core.workload import Workload, checkpointed
+from hookbench.engines.loop import ACCUMULATION
 from hookbench.gate import checks, workload_checks
 from hookbench.gate.workload_checks import not_applicable, refusal, refused_words
+from hookbench.models import zoo
 from hookbench.measure import plot
 from hookbench.measure.memory import format_bytes, measure_or_fall_back
 
@@ -112,6 +114,18 @@ def run(args: argparse.Namespace) -> int:
             parity = parity if "error" not in parity else {f"{spec.name}/zero2": parity}
         sections.append(report.zero2_section(spec, backend, by.get("foreach"),
                                              by.get("in_backward"), common.progress, parity))
+        if parity is None:  # the zoo: its engine rows come from the same launch as a user's
+            common.progress(f"{spec.name}: the engines on {workload_checks.ZERO2_RANKS} gloo "
+                            f"ranks ...")
+            # one sample per rank: the zoo's models are stated at batch 1
+            parity = attempt(lambda: workload_checks.zero2([zoo.workload(
+                spec.name, batch_size=workload_checks.ZERO2_RANKS, seed=spec.seed)]))
+        sections.append(report.workload_section(
+            f"{spec.name}: the engines users run, on {workload_checks.ZERO2_RANKS} gloo ranks: "
+            f"DDP, FSDP2 as ZeRO-2 and ZeRO-3 ({ACCUMULATION} micro-batches a step, the "
+            f"first without gradient sync), the optimizer in backward under FSDP2",
+            {k: v for k, v in parity.items() if "/engines/" in k} if "error" not in parity
+            else {f"{spec.name}/engines": parity}))
     data = {"torch": torch.__version__, "backend": backend, "model": spec.name,
             "batch_size": spec.batch_size, "memory": [r.to_dict() for r in results],
             "checks": [{"section": s.title, "row": list(cells), "ok": bool(verdict),

@@ -14,8 +14,8 @@ FAULTS = ("fires_twice", "stops_after_first_backward", "never_fires",
           "compression_on_exact_tensor", "fsdp2_forgets_shard_hooks",
           "reduce_scatter_wrong_slice", "ddp_bucket_reduced_twice")
 REPORT_SECTIONS = ("contract", "optimizer", "capture", "memory", "zero2")
-GATE_SECTIONS = ("hooks", "parity", "numerics", "zero2", "collectives", "checkpoints", "compile",
-                 "warnings", "memory", "offload", "workloads", "time")
+GATE_SECTIONS = ("hooks", "parity", "numerics", "zero2", "engines", "collectives", "checkpoints",
+                 "compile", "warnings", "memory", "offload", "workloads", "time")
 # What a gate of the user's own workloads runs by default: the hook contract (torch's own
 # behaviour) and the workloads' rows (``hookbench.gate.workload_checks``).
 GATE_WORKLOAD_SECTIONS = ("hooks", "workloads")

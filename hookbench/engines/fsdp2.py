@@ -78,8 +78,8 @@ def units(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard(model: torch.nn.Module, mesh: Any, reshard_after_forward: bool,
-          param_dtype: torch.dtype | None) -> int:
-    """``fully_shard`` every unit and the root; the number of units besides the root."""
+          param_dtype: torch.dtype | None) -> list[torch.nn.Module]:
+    """``fully_shard`` every unit and the root; the units besides the root."""
     fsdp = api()
     policy = fsdp.MixedPrecisionPolicy(param_dtype=param_dtype,
                                        reduce_dtype=torch.float32 if param_dtype else None)
@@ -89,7 +89,13 @@ def shard(model: torch.nn.Module, mesh: Any, reshard_after_forward: bool,
                          mp_policy=policy)
     fsdp.fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward,
                      mp_policy=policy)
-    return len(blocks)
+    return blocks
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    """Bytes of this rank's shard of a DTensor (of the tensor, for a plain one)."""
+    local = getattr(t, "_local_tensor", t)
+    return local.numel() * local.element_size()
 
 
 def _unsharded_grads(model: torch.nn.Module) -> list[str]:
@@ -115,7 +121,9 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     (blocks sharded besides the root), and per backward ``"hook_calls"`` (shard name -> calls
     of the counting hook), ``"not_reduced"`` (shards whose hook saw a gradient that is not a
     shard of the parameter's size), ``"shard_grads"`` (shards holding a gradient after it) and
-    ``"unsharded_grads"``. ``{"refused": ...}`` where the optimizer in backward refuses."""
+    ``"unsharded_grads"``, ``"peak_shard_grad_bytes"`` (the most bytes of shard gradients held
+    at once), and ``"unit_bytes"`` (each unit's trainable shards on this rank, the root's
+    last). ``{"refused": ...}`` where the optimizer in backward refuses."""
     from torch.distributed.device_mesh import init_device_mesh
 
     settings = SETTINGS[setting]
@@ -124,10 +132,11 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     model = spec.build().to(device)
     mesh = init_device_mesh(torch.device(device).type, (world,))
     param_dtype = torch.bfloat16 if spec.precision == "bf16" else None
-    n_units = shard(model, mesh, settings["reshard_after_forward"], param_dtype)
+    blocks = shard(model, mesh, settings["reshard_after_forward"], param_dtype)
     names = {p: n for n, p in model.named_parameters()}
     calls: dict[str, int] = {}
     not_reduced: list[str] = []
+    live = [0]  # the most bytes of shard gradients held at once in this backward
 
     def count(p: torch.Tensor) -> None:
         calls[names[p]] = calls.get(names[p], 0) + 1
@@ -135,6 +144,9 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
         local = getattr(grad, "_local_tensor", grad)
         if grad is None or local.shape != getattr(p, "_local_tensor", p).shape:
             not_reduced.append(names[p])
+        # FSDP2 assigns a unit's shard gradients, then calls their hooks: counted here, before
+        # an optimizer in backward steps and frees them, this is the rank's most held at once
+        live[0] = max(live[0], sum(_local_bytes(q.grad) for q in names if q.grad is not None))
 
     # registered first, so that it runs before the optimizer in backward steps and frees
     handles = [p.register_post_accumulate_grad_hook(count)
@@ -156,16 +168,22 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
             seen = {"synced": synced, "hook_calls": dict(calls),
                     "not_reduced": list(not_reduced),
                     "shard_grads": sorted(n for p, n in names.items() if p.grad is not None),
-                    "unsharded_grads": _unsharded_grads(model)}
+                    "unsharded_grads": _unsharded_grads(model),
+                    "peak_shard_grad_bytes": live[0]}
             calls.clear()
             not_reduced.clear()
+            live[0] = 0
             return seen
 
         result = train(rank, world, spec, model, model, optimizer, device, steps, accumulation,
                        lambda: _no_sync(model), observe,
                        lambda: {n: p.full_tensor().detach().cpu().clone()
                                 for n, p in model.named_parameters()})
-        return {**result, "units": n_units}
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        unit_bytes = [sum(_local_bytes(p) for p in b.parameters() if p.requires_grad)
+                      for b in blocks] + [sum(_local_bytes(p) for p in model.parameters()
+                                              if p.requires_grad and id(p) not in in_blocks)]
+        return {**result, "units": len(blocks), "unit_bytes": unit_bytes}
     finally:
         for h in handles:
             h.remove()

@@ -174,7 +174,28 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
             row["problems"] += verdict["problems"]
         else:
             row["problems"].append("no DDP run to compare with")
-        if engine.startswith("fsdp2") and "units" in got[engine][0]:
+        if engine.startswith("fsdp2"):
             words.append(f"{got[engine][0]['units']} blocks sharded besides the root")
+            words.append(_gradient_memory(engine, got[engine][0], row))
         row["parity"] = "; ".join(words)
     return out
+
+
+def _gradient_memory(engine: str, rank0: dict[str, Any], row: dict[str, Any]) -> str:
+    """The most bytes of shard gradients rank 0 held at once in a synced backward, against
+    what the engine is for: a standard step holds every shard's gradient at the step (ZeRO-2's
+    4 Psi / N in fp32, Psi the trainable parameters, N the ranks; FSDP2 pads dim 0 to N
+    rows); the optimizer in backward frees each unit's before the next unit's arrive, so at
+    most the largest unit's. More than that: a gradient kept, or one that is not a shard.
+    Kept in the row as ``shard_grad_bytes``."""
+    peak = max(seen["peak_shard_grad_bytes"] for seen in rank0["after_backward"]
+               if seen["synced"])
+    units, whole = rank0["unit_bytes"], sum(rank0["unit_bytes"])
+    bound, of = ((max(units), "the largest unit's shards") if engine == "fsdp2_in_backward"
+                 else (whole, "all the rank's shards, 4 Psi / N"))
+    words = (f"shard gradients held at once: at most {peak:,} B on rank 0 ({of}: "
+             f"{bound:,} B of {whole:,} B)")
+    row["shard_grad_bytes"] = {"peak": peak, "bound": bound, "all": whole}
+    if peak > bound:
+        row["problems"].append(words)
+    return words

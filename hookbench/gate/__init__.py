@@ -31,8 +31,8 @@ from hookbench.core import names
 from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload
 from hookbench.gate import (baselines, checkpoints, collectives, compiled_hooks, emitted_warnings,
-                            hooks, memory, numerics, offload, parity, step_time, workload_checks,
-                            zero2)
+                            engines, hooks, memory, numerics, offload, parity, step_time,
+                            workload_checks, zero2)
 from hookbench.gate.checks import Run, Section
 from hookbench.measure.faults import FAULTS, inject
 
@@ -40,7 +40,7 @@ __all__ = ["MODELS", "REGISTRY", "SECTIONS", "WORKLOAD_SECTIONS", "check", "fail
            "measure_all", "record", "selfcheck"]
 
 REGISTRY = {"hooks": hooks, "parity": parity, "numerics": numerics, "zero2": zero2,
-            "collectives": collectives, "checkpoints": checkpoints, "compile": compiled_hooks,
+            "engines": engines, "collectives": collectives, "checkpoints": checkpoints, "compile": compiled_hooks,
             "warnings": emitted_warnings, "memory": memory, "offload": offload,
             "workloads": workload_checks, "time": step_time}
 SECTIONS = names.GATE_SECTIONS

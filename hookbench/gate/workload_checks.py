@@ -223,15 +223,16 @@ def bucket(workload: Workload) -> int:
     return max(1, math.ceil(numel / 4))
 
 
-def zero2(workloads: list[Workload], fault: str | None = None,
-          timeout: float = 300.0) -> dict[str, dict[str, Any]]:
+def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 300.0,
+          with_zero2: bool = True) -> dict[str, dict[str, Any]]:
     """ZeRO-2 on ``ZERO2_RANKS`` gloo ranks for every workload, torch's DDP beside it, and the
     engines' runs (``engines.verdicts``), from one start of the ranks (a fault is injected
     into ZeRO-2 and the engines, never into the DDP that judges ZeRO-2): ZeRO-2 judged against
     DDP and the single process (``references.judge``), every hook once, no gradient left; each
-    engine's row as ``verdicts.judge`` holds it."""
+    engine's row as ``verdicts.judge`` holds it. ``with_zero2=False``: the engines' rows only."""
     cases = [dict(spec=w, optimizer_class=w.optimizer[0], kwargs=forloop_options(w),
-                  bucket_numel=bucket(w), steps=STEPS, fault=fault) for w in workloads]
+                  bucket_numel=bucket(w), steps=STEPS, fault=fault)
+             for w in (workloads if with_zero2 else ())]
     skipped = {w.name: verdicts.not_applicable(w, STEPS, ZERO2_RANKS) for w in workloads}
     engine_cases = [verdicts.cases(w, forloop_options(w), STEPS, skipped[w.name], fault)
                     for w in workloads]
@@ -240,6 +241,11 @@ def zero2(workloads: list[Workload], fault: str | None = None,
                        timeout=timeout)
     out = {}
     start = 2 * len(cases)
+    for i, w in enumerate(workloads):
+        n = len(engine_cases[i])
+        runs = [[rank[j] for rank in ranks] for j in range(start, start + n)]
+        start += n
+        out.update(_engine_rows(w, forloop_options(w), skipped[w.name], runs))
     for i, (w, case) in enumerate(zip(workloads, cases)):
         def row(i: int = i, w: Workload = w, case: dict = case) -> dict[str, Any]:
             got = [rank[i] for rank in ranks]
@@ -266,10 +272,6 @@ def zero2(workloads: list[Workload], fault: str | None = None,
                     "tolerance": {"rtol": t.rtol, "atol": t.atol}}
 
         out[f"{w.name}/zero2"] = attempt(row)
-        n = len(engine_cases[i])
-        runs = [[rank[j] for rank in ranks] for j in range(start, start + n)]
-        start += n
-        out.update(_engine_rows(w, case["kwargs"], skipped[w.name], runs))
     return out
 
 
@@ -419,10 +421,11 @@ def measure(run: Run) -> dict[str, Any] | None:
     return measure_all(list(run.workloads), run.fault) if run.workloads else None
 
 
-def judge(base: dict, now: dict, run: Run) -> Section:
-    section = Section(f"Your workloads: {STEPS} steps per strategy against the stored checksum "
-                      f"and live against its reference, ZeRO-2 on {ZERO2_RANKS} gloo ranks, "
-                      f"fake-backend peak memory", ("workload/check", "verdict"))
+def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
+    section = Section(title or (
+        f"Your workloads: {STEPS} steps per strategy against the stored checksum and live "
+        f"against its reference, ZeRO-2 and the engines on {ZERO2_RANKS} gloo ranks, "
+        f"fake-backend peak memory"), ("workload/check", "verdict"))
     for key, value in now.items():
         if section.add_stopped(value, key):
             continue

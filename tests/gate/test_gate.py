@@ -379,7 +379,7 @@ def test_unknown_section_is_refused(capsys):
 # Which sections must catch each fault. Parity is absent from optimizer_arithmetic_changed on
 # purpose: both sides change alike, and only the stored baseline sees it.
 CAUGHT_BY = {
-    "fires_twice": {"hooks", "parity", "numerics", "zero2"},
+    "fires_twice": {"hooks", "parity", "numerics", "zero2", "engines"},
     "stops_after_first_backward": {"hooks", "parity", "numerics", "zero2"},
     "never_fires": {"hooks", "parity", "numerics", "zero2"},
     "fires_before_accumulation": {"hooks", "numerics", "zero2", "memory"},
@@ -401,6 +401,9 @@ CAUGHT_BY = {
     "unpack_returns_stale": {"offload"},
     "offload_keeps_device_copy": {"offload"},
     "compression_on_exact_tensor": {"offload"},
+    "fsdp2_forgets_shard_hooks": {"engines"},
+    "reduce_scatter_wrong_slice": {"engines"},
+    "ddp_bucket_reduced_twice": {"engines"},
 }
 
 

@@ -1,0 +1,36 @@
+"""The gate's ``engines`` section: the engines users run when they outgrow one GPU
+(``hookbench.engines``: DDP with accumulation under ``no_sync()``, FSDP2 as ZeRO-2 and ZeRO-3,
+the optimizer in backward under FSDP2) on 2 gloo ranks, on the zoo's tiny MLP (227 parameters,
+so that FSDP2's shards cut parameters; 6 samples, 3 per rank). Each row is held to what
+``hookbench.engines.verdicts`` says: the engine's hook contract (every bucket reduced once,
+every shard's post-accumulate-grad hook called once after its reduce-scatter, none without
+gradient sync, no gathered gradient left), its parity with DDP, FSDP2 ZeRO-3 or one process,
+and the stored checksum (or, on another CPU, the tolerance)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hookbench.core.workload import of
+from hookbench.gate import workload_checks
+from hookbench.gate.checks import Run, Section
+from hookbench.measure import zero2_runs
+
+# The engine faults, and a hook fault the shards' hooks must show (each run starts the ranks).
+FAULTS = ("fires_twice", "fsdp2_forgets_shard_hooks", "reduce_scatter_wrong_slice",
+          "ddp_bucket_reduced_twice")
+# Adam at the zoo's ZeRO-2 parity rate (zero2_runs.PARITY_OPTIMIZERS), for-loop
+WORKLOAD = of(zero2_runs.PARITY_SPEC).replace(optimizer=(torch.optim.Adam, {"lr": 1e-2}))
+
+
+def measure(run: Run) -> dict[str, Any]:
+    return workload_checks.zero2([WORKLOAD], run.fault, with_zero2=False)
+
+
+def judge(base: dict, now: dict, run: Run) -> Section:
+    return workload_checks.judge(
+        base, now, run, f"Engines on {workload_checks.ZERO2_RANKS} gloo ranks, "
+        f"{workload_checks.STEPS} steps of the zoo's {WORKLOAD.name}: each engine's hooks, "
+        f"parity and stored checksum")

@@ -1,0 +1,161 @@
+"""The engines users run when they outgrow one GPU (``hookbench.engines``): DDP with accumulation
+under ``no_sync()``, FSDP2 as ZeRO-2 and ZeRO-3, the optimizer in backward under FSDP2, each on
+2 gloo ranks on a workload with dropout and weight decay, and each engine fault shown to fail
+the rows it guards. One start of the ranks runs all four engines (~3 s).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hookbench import Workload
+from hookbench.engines import ddp, fsdp2, verdicts
+from hookbench.gate import workload_checks
+
+pytestmark = pytest.mark.distributed
+
+
+class Blocks(nn.Module):
+    """Two repeated blocks (each an FSDP2 unit of its own) with dropout, then a head (the
+    root's unit): the optimizer in backward can free one unit's gradients before the next's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Dropout(0.1)) for _ in range(2))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
+def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+WORKLOAD = Workload("blocks", model=Blocks, batch=batch, loss=F.cross_entropy,
+                    optimizer=(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}))
+
+
+def engine_rows(workload: Workload, fault: str | None = None) -> dict[str, dict]:
+    rows = workload_checks.zero2([workload], fault, with_zero2=False)
+    return {key.rsplit("/", 1)[1]: row for key, row in rows.items()}
+
+
+@pytest.fixture(scope="module")
+def rows() -> dict[str, dict]:
+    return engine_rows(WORKLOAD)
+
+
+def test_every_engine_holds_on_a_workload_with_dropout_and_weight_decay(rows):
+    assert set(rows) == set(verdicts.ENGINES)
+    for engine, row in rows.items():
+        assert row["problems"] == [], (engine, row)
+    assert rows["ddp"]["parity"].startswith("vs one process on the ranks' shares: ")
+    # 2 ranks: FSDP2's AVG and DDP's divide-then-sum are the same fp32 arithmetic (halving is
+    # exact), so the FSDP2 settings match DDP to the bit
+    for engine in ("fsdp2_zero2", "fsdp2_zero3"):
+        assert rows[engine]["parity"].startswith("vs DDP on the same shares: bit-exact"), rows
+        assert "2 blocks sharded besides the root" in rows[engine]["parity"]
+    assert rows["fsdp2_in_backward"]["parity"].startswith(
+        "vs FSDP2 ZeRO-3 with a standard step: bit-exact")
+    assert rows["fsdp2_zero3"]["sha256"] == rows["fsdp2_in_backward"]["sha256"]
+
+
+def test_the_optimizer_in_backward_under_fsdp2_holds_fewer_shard_gradients(rows):
+    standard = rows["fsdp2_zero3"]["shard_grad_bytes"]
+    early = rows["fsdp2_in_backward"]["shard_grad_bytes"]
+    # a standard step holds every shard's gradient at the step: 4 Psi / N bytes in fp32
+    psi = sum(p.numel() for p in Blocks().parameters())
+    assert standard["peak"] == standard["all"] >= 4 * psi // 2
+    # in backward each unit's gradients are freed before the next unit's arrive: at most the
+    # largest unit's (a block: (16x16 + 16) / 2 fp32 = 544 B) instead of all four units'
+    assert early["bound"] == (16 * 16 + 16) // 2 * 4
+    assert 0 < early["peak"] <= early["bound"] < standard["peak"]
+
+
+# One start of the ranks each (~7 s). The subtle one (each rank's slice rolled by one element,
+# seen only by the comparison with DDP) runs in the default tier; the default tier's rows above
+# fail under every one of them (tests/measure/test_faults.py runs them so, in the slow tier).
+@pytest.mark.parametrize("fault, engines, words", [
+    pytest.param("ddp_bucket_reduced_twice", {"ddp"}, "bucket [0] reduced more than once",
+                 marks=pytest.mark.slow),
+    pytest.param("fsdp2_forgets_shard_hooks",
+                 {"fsdp2_zero2", "fsdp2_zero3", "fsdp2_in_backward"}, "were called {",
+                 marks=pytest.mark.slow),
+    ("reduce_scatter_wrong_slice", {"fsdp2_zero2", "fsdp2_zero3"}, "vs DDP"),
+])
+def test_each_engine_fault_fails_the_rows_it_guards(fault, engines, words):
+    got = engine_rows(WORKLOAD, fault)
+    failed = {engine for engine, row in got.items() if row.get("problems")}
+    assert engines <= failed, got
+    assert any(words in p for e in engines for p in got[e]["problems"]), got
+
+
+def test_fsdp2_rows_name_shard_hooks_called_other_than_once():
+    seen = [{"synced": False, "hook_calls": {}},
+            {"synced": True, "hook_calls": {"a": 1, "b": 2}, "not_reduced": [],
+             "unsharded_grads": [], "shard_grads": []}]
+    assert "{'b': 2} times" in fsdp2.hook_problems(seen, ["a", "b"], False)[0]
+    seen[1]["hook_calls"] = {"a": 1, "b": 1}
+    assert fsdp2.hook_problems(seen, ["a", "b"], False) == []
+    seen[0]["hook_calls"] = {"a": 1}  # a hook run without gradient sync: no reduced gradient
+    assert "without gradient sync" in fsdp2.hook_problems(seen, ["a", "b"], False)[0]
+    seen[0]["hook_calls"] = {}
+    seen[1]["shard_grads"] = ["a"]  # only the optimizer in backward must free them
+    assert fsdp2.hook_problems(seen, ["a", "b"], False) == []
+    assert "left after their step" in fsdp2.hook_problems(seen, ["a", "b"], True)[0]
+
+
+def test_ddp_rows_name_a_bucket_not_reduced_once():
+    ok = [{"synced": False, "buckets": []}, {"synced": True, "buckets": [(0, ["a", "b"])]}]
+    assert ddp.bucket_problems(ok, ["a", "b"]) == []
+    twice = [ok[0], {"synced": True, "buckets": [(0, ["a", "b"]), (0, ["a", "b"])]}]
+    assert "bucket [0] reduced more than once" in ddp.bucket_problems(twice, ["a", "b"])[0]
+    unsynced = [{"synced": False, "buckets": [(0, ["a", "b"])]}, ok[1]]
+    assert "under no_sync(): buckets [0] reduced" in ddp.bucket_problems(unsynced, ["a", "b"])[0]
+    short = [ok[0], {"synced": True, "buckets": [(0, ["a"])]}]
+    assert "carried 1 gradients for 2" in ddp.bucket_problems(short, ["a", "b"])[0]
+
+
+class LayerDrop(Blocks):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            if torch.rand(()) >= 0.5:  # drawn from the share's own generator: ranks differ
+                x = x + block(x)
+        return self.head(x)
+
+
+def test_engines_that_cannot_train_a_workload_say_why_before_any_rank_starts():
+    adafactor = getattr(torch.optim, "Adafactor", torch.optim.LBFGS)  # 2.4 has no Adafactor
+    not_elementwise = WORKLOAD.replace(optimizer=(adafactor, {"lr": 1e-2}))
+    why = verdicts.not_applicable(not_elementwise, 3, 2)
+    assert set(why) == {"fsdp2_zero2", "fsdp2_zero3", "fsdp2_in_backward"}
+    assert "not known to update parameters elementwise" in why["fsdp2_zero2"]
+    dropping = WORKLOAD.replace(name="layerdrop", model=LayerDrop)
+    assert "the ranks compute gradients for different parameters" in verdicts.not_applicable(
+        dropping, 3, 2)["fsdp2_zero3"]
+    assert verdicts.not_applicable(WORKLOAD, 3, 2) == {}
+
+
+def test_the_optimizer_in_backward_under_fsdp2_refuses_clipping_in_words():
+    rows = engine_rows(WORKLOAD.replace(name="clipped", clip_grad_norm=1.0))
+    assert "refused" in rows["fsdp2_in_backward"], rows["fsdp2_in_backward"]
+    assert "clip" in rows["fsdp2_in_backward"]["refused"]
+    for engine in ("ddp", "fsdp2_zero2", "fsdp2_zero3"):  # the others train and hold
+        assert rows[engine]["problems"] == [], rows[engine]
+
+
+def test_units_are_the_repeated_blocks_and_tied_parameters_stay_with_their_parent():
+    model = Blocks()
+    assert fsdp2.units(model) == list(model.blocks)
+    model.blocks[1][0].weight = model.blocks[0][0].weight  # shared across two blocks
+    assert fsdp2.units(model) == []
