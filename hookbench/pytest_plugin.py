@@ -100,7 +100,10 @@ class Checks:
         shares (bit for bit where the arithmetic is the same) and like the for-loop step on
         the ranks' shares in one process (within the derived tolerance, or the measured noise
         floor where DDP itself exceeds it), frees every gradient, runs every hook once; or
-        refuses the optimizer in words (``{"refused": ...}``). Returns the rows."""
+        refuses the optimizer in words (``{"refused": ...}``). From the same launch, the
+        engines' rows (``<name>/engines/<engine>``: DDP, FSDP2 as ZeRO-2 and ZeRO-3, the
+        optimizer in backward under FSDP2; ``hookbench.engines.verdicts``) must hold too, or
+        say why they do not apply. Returns all the rows."""
         from hookbench.gate import workload_checks
 
         return self._require(workload_checks.zero2([workload], self.fault),

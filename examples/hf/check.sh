@@ -48,6 +48,14 @@ for fault in fires_twice keeps_gradients_alive; do
         grep -q "^! $w/" check.log || { echo "check.sh: --fault $fault: no $w row failed" >&2; status=1; }
     done
 done
+# the engine faults: each fails the engines' rows of every workload FSDP2 or DDP trains
+for fault in reduce_scatter_wrong_slice fsdp2_forgets_shard_hooks ddp_bucket_reduced_twice; do
+    expect 1 "GATE FAILED in .*workloads" hookbench gate --baseline "$baseline" --fault $fault \
+        --sections workloads
+    for w in gpt2 vit resnet mixtral; do
+        grep -q "^! $w/engines/" check.log || { echo "check.sh: --fault $fault: no $w engine row failed" >&2; status=1; }
+    done
+done
 expect 0 "18 passed" python -m pytest -q -p no:cacheprovider
 expect 1 "[1-9] failed" python -m pytest -q -p no:cacheprovider --hookbench-fault fires_twice
 rm -f check.log

@@ -33,9 +33,18 @@ def test_every_strategy_trains_like_the_standard_step(hookbench, workload):
 @pytest.mark.parametrize("workload", [GPT2, VIT, RESNET, OPT_LAYERDROP, MIXTRAL],
                          ids=lambda w: w.name)
 def test_zero2_trains_like_ddp(hookbench, workload):
-    row = hookbench.assert_zero2_parity(workload)[f"{workload.name}/zero2"]
+    rows = hookbench.assert_zero2_parity(workload)  # ZeRO-2 and the engines, from one launch
     # fp32 on gloo, an elementwise optimizer, no clipping: torch's DDP, bit for bit
-    assert row["parity"].startswith("vs DDP on the same shares: bit-exact;")
+    assert rows[f"{workload.name}/zero2"]["parity"].startswith("vs DDP on the same shares: "
+                                                               "bit-exact;")
+    engines = {k.rsplit("/", 1)[1]: r for k, r in rows.items() if "/engines/" in k}
+    assert set(engines) == {"ddp", "fsdp2_zero2", "fsdp2_zero3", "fsdp2_in_backward"}
+    if workload is OPT_LAYERDROP:  # LayerDrop: ranks reduce different parameters
+        assert "different parameters" in engines["fsdp2_zero3"]["not_applicable"]
+    else:  # with 2 ranks FSDP2's AVG is DDP's divide-then-sum, bit for bit
+        assert engines["fsdp2_zero3"]["parity"].startswith("vs DDP on the same shares: bit-exact")
+        assert engines["fsdp2_in_backward"]["parity"].startswith(
+            "vs FSDP2 ZeRO-3 with a standard step: bit-exact")
 
 
 def test_zero2_refuses_adafactor_in_words(hookbench):
