@@ -19,9 +19,9 @@ from hookbench.core.workload import Workload, checkpointed
 from hookbench.engines.loop import ACCUMULATION
 from hookbench.gate import checks, workload_checks
 from hookbench.gate.workload_checks import not_applicable, refusal, refused_words
-from hookbench.models import zoo
 from hookbench.measure import plot
 from hookbench.measure.memory import format_bytes, measure_or_fall_back
+from hookbench.models import zoo
 
 
 def _adds(spec: Workload, changes: dict[str, Any], own: bool) -> bool:

@@ -35,7 +35,7 @@ from hookbench.engines.loop import train
 from hookbench.measure.zero2_runs import local_batch, rank_device
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 
-__all__ = ["SETTINGS", "api", "hook_problems", "peer_trajectory", "shard", "trajectory",
+__all__ = ["SETTINGS", "api", "cannot_run_here", "hook_problems", "peer_trajectory", "shard", "trajectory",
            "units"]
 
 SETTINGS = {"zero2": {"reshard_after_forward": False, "in_backward": False},
@@ -50,6 +50,34 @@ def api() -> Any:
         if hasattr(module, "fully_shard") and hasattr(module, "MixedPrecisionPolicy"):
             return module
     raise ImportError("this torch has no FSDP2 (fully_shard)")
+
+
+def cannot_run_here() -> str | None:
+    """Why this torch's FSDP2 cannot train on this machine's ranks, or None. Torch 2.4's FSDP2
+    creates ``torch.cuda.Stream``s whatever the device, so it cannot run on CPU ranks; later
+    releases (2.8.0 here) take the device's own (``_get_device_handle``; pytorch#138687 and
+    #139539). Found by building the shared
+    communication context as ``fully_shard`` would, in this process, before any rank starts."""
+    if torch.cuda.is_available():
+        return None
+    for name in ("torch.distributed.fsdp._fully_shard._fsdp_param_group",
+                 "torch.distributed._composable.fsdp._fsdp_param_group"):
+        try:
+            context = importlib.import_module(name).FSDPCommContext()
+        except (ImportError, AttributeError):
+            continue
+        try:
+            if hasattr(context, "lazy_init"):
+                context.lazy_init(torch.device("cpu"))
+            else:
+                context.init()
+        except Exception as e:  # whatever the streams raise: said in words, never a rank's crash
+            return (f"this torch's FSDP2 cannot run on CPU ranks: its communication context "
+                    f"({name}.FSDPCommContext) needs CUDA streams "
+                    f"({type(e).__name__}: {str(e).splitlines()[0]}); later releases take the "
+                    f"device's own streams (pytorch#139539): upgrade, or run on GPUs")
+        return None
+    return "this torch has no FSDP2 communication context where hookbench knows to look"
 
 
 def units(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -175,10 +203,17 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
             live[0] = 0
             return seen
 
-        result = train(rank, world, spec, model, model, optimizer, device, steps, accumulation,
-                       lambda: _no_sync(model), observe,
-                       lambda: {n: p.full_tensor().detach().cpu().clone()
-                                for n, p in model.named_parameters()})
+        try:
+            result = train(rank, world, spec, model, model, optimizer, device, steps,
+                           accumulation, lambda: _no_sync(model), observe,
+                           lambda: {n: p.full_tensor().detach().cpu().clone()
+                                    for n, p in model.named_parameters()})
+        except RuntimeError as e:
+            if not settings["in_backward"]:
+                raise
+            # what it refuses in forward (an fp16 autocast), on every rank alike; where no
+            # refusal is due, the row says it refused (workload_checks), never passes
+            return {"refused": f"{type(e).__name__}: {e}", "error": None}
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         unit_bytes = [sum(_local_bytes(p) for p in b.parameters() if p.requires_grad)
                       for b in blocks] + [sum(_local_bytes(p) for p in model.parameters()

@@ -25,8 +25,9 @@ What each row is held to:
               process as ZeRO-2 is (``references.judge``). bf16: FSDP2 runs
               ``MixedPrecisionPolicy(bf16, reduce fp32)``, other arithmetic than DDP's autocast;
               its fp32 shards against ``zero2_runs.mixed_reference`` (a bf16 model, fp32
-              masters, the same reduction), bit for bit. Clipping (the norm summed shard by
-              shard) or a compiled model: within the tolerance instead.
+              masters, the same reduction) within the bf16 tolerance (bit for bit on Llama,
+              not on every model). fp32 with clipping (the norm summed shard by shard) or a
+              compiled model: within the tolerance instead of bit for bit.
     fsdp2_in_backward   also no shard gradient left after its step; bit for bit fsdp2_zero3
               (the same arithmetic, stepped earlier); refused in words with clipping or fp16.
 """
@@ -75,14 +76,13 @@ def _uneven_gradients(workload: Workload, steps: int, world: int) -> str | None:
 def not_applicable(workload: Workload, steps: int, world: int) -> dict[str, str]:
     """Engine -> why it cannot train ``workload``, for those that cannot."""
     cls = workload.optimizer[0]
-    why = None
-    if cls not in ELEMENTWISE:
-        why = (f"FSDP2 steps each rank's DTensor shard of every parameter; {cls.__name__} "
-               f"is not known to update parameters elementwise (nor to step DTensors)")
-    elif workload.compile is not None:
-        why = "hookbench's FSDP2 rows train eager models (a compiled one is not sharded here)"
-    else:
-        why = _uneven_gradients(workload, steps, world)
+    why = (fsdp2.cannot_run_here()
+           or (f"FSDP2 steps each rank's DTensor shard of every parameter; {cls.__name__} is "
+               f"not known to update parameters elementwise (nor to step DTensors)"
+               if cls not in ELEMENTWISE else None)
+           or ("hookbench's FSDP2 rows train eager models (a compiled one is not sharded here)"
+               if workload.compile is not None else None)
+           or _uneven_gradients(workload, steps, world))
     return dict.fromkeys(ENGINES[1:], why) if why else {}
 
 
@@ -162,9 +162,13 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
             else:
                 row["problems"].append("no FSDP2 ZeRO-3 run to compare with")
         elif mixed:
-            result = compare(row["snapshots"], mixed_ref, exact)
+            # within the bf16 tolerance and the rounding-level bounds DDP's row has, not bit for
+            # bit: the same arithmetic on Llama, not on a checkpointed LayerNorm model
+            # (charlm-bf16-ckpt: 1.9e-4 on norm.bias, an Adam step on a gradient at rounding
+            # level), so bit-exactness is reported, not required
+            result = compare(row["snapshots"], mixed_ref, tol, rounding)
             words.append(f"fp32 shards vs one process with bf16 parameters and fp32 masters: "
-                         f"{result.verdict()}{how}")
+                         f"{result.verdict()}")
             if not result.ok:
                 row["problems"].append(words[-1])
         elif "ddp" in snaps:

@@ -1,5 +1,5 @@
 """The gate's ``zero2`` section: ZeRO-2 on 2 gloo ranks (``hookbench.measure.zero2_runs``) per
-optimizer: bit for bit torch's DDP on the same shares (``hookbench.measure.references``),
+optimizer: bit for bit torch's DDP on the same shares (``hookbench.engines.references``),
 parity with single-process training, the stored checksum (or else the tolerance), no gradient
 left on a parameter, every hook once per backward."""
 

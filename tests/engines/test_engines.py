@@ -159,3 +159,22 @@ def test_units_are_the_repeated_blocks_and_tied_parameters_stay_with_their_paren
     assert fsdp2.units(model) == list(model.blocks)
     model.blocks[1][0].weight = model.blocks[0][0].weight  # shared across two blocks
     assert fsdp2.units(model) == []
+
+
+def test_fsdp2_says_in_words_where_this_torch_cannot_run_it_on_cpu_ranks(monkeypatch):
+    # torch 2.4's FSDP2 makes CUDA streams whatever the device (docs/releases.md); 2.8.0 on
+    # takes the device's own, so it runs here
+    release = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    if torch.cuda.is_available() or release >= (2, 8):
+        assert fsdp2.cannot_run_here() is None
+    if torch.cuda.is_available() or release < (2, 8):
+        return
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    def needs_cuda(self, device):
+        raise RuntimeError("CUDA error: no CUDA GPUs are available")
+
+    monkeypatch.setattr(_fsdp_param_group.FSDPCommContext, "lazy_init", needs_cuda)
+    why = fsdp2.cannot_run_here()
+    assert why.startswith("this torch's FSDP2 cannot run on CPU ranks") and "CUDA streams" in why
+    assert verdicts.not_applicable(WORKLOAD, 3, 2) == dict.fromkeys(verdicts.ENGINES[1:], why)

@@ -1,4 +1,4 @@
-"""The references ZeRO-2 is judged against (``hookbench.measure.references``): torch's DDP bit
+"""The references ZeRO-2 is judged against (``hookbench.engines.references``): torch's DDP bit
 for bit, the single process within the derived tolerance where DDP holds it and within the
 measured noise floor where it does not, and each shown to fail when what it guards breaks.
 
@@ -19,10 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookbench import Workload
-from hookbench.measure.faults import inject
-from hookbench.gate import workload_checks
 from hookbench.engines import references
+from hookbench.gate import workload_checks
 from hookbench.measure import zero2_runs
+from hookbench.measure.faults import inject
 from hookbench.measure.parity import Tolerance
 from hookbench.models.vision import ResNet
 
