@@ -224,24 +224,26 @@ def bucket(workload: Workload) -> int:
 
 
 def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 300.0,
-          with_zero2: bool = True) -> dict[str, dict[str, Any]]:
+          with_zero2: bool = True, with_engines: bool = True) -> dict[str, dict[str, Any]]:
     """ZeRO-2 on ``ZERO2_RANKS`` gloo ranks for every workload, torch's DDP beside it, and the
     engines' runs (``engines.verdicts``), from one start of the ranks (a fault is injected
     into ZeRO-2 and the engines, never into the DDP that judges ZeRO-2): ZeRO-2 judged against
     DDP and the single process (``references.judge``), every hook once, no gradient left; each
-    engine's row as ``verdicts.judge`` holds it. ``with_zero2=False``: the engines' rows only."""
+    engine's row as ``verdicts.judge`` holds it. ``with_zero2=False``: the engines' rows only;
+    ``with_engines=False``: ZeRO-2's only."""
     cases = [dict(spec=w, optimizer_class=w.optimizer[0], kwargs=forloop_options(w),
                   bucket_numel=bucket(w), steps=STEPS, fault=fault)
              for w in (workloads if with_zero2 else ())]
-    skipped = {w.name: verdicts.not_applicable(w, STEPS, ZERO2_RANKS) for w in workloads}
+    engined = workloads if with_engines else []
+    skipped = {w.name: verdicts.not_applicable(w, STEPS, ZERO2_RANKS) for w in engined}
     engine_cases = [verdicts.cases(w, forloop_options(w), STEPS, skipped[w.name], fault)
-                    for w in workloads]
+                    for w in engined]
     ranks = launch.run(references.ranks, ZERO2_RANKS,
                        [*references.with_ddp(cases), *(c for w in engine_cases for c in w)],
                        timeout=timeout)
     out = {}
     start = 2 * len(cases)
-    for i, w in enumerate(workloads):
+    for i, w in enumerate(engined):
         n = len(engine_cases[i])
         runs = [[rank[j] for rank in ranks] for j in range(start, start + n)]
         start += n

@@ -64,7 +64,7 @@ FLOAT32_ONLY = Workload("float32-only", model=Float32Only, batch=vectors, loss=F
 
 @pytest.fixture(scope="module")
 def batchnorm_row() -> dict:
-    return workload_checks.zero2([BATCHNORM])["conv-bn/zero2"]
+    return workload_checks.zero2([BATCHNORM], with_engines=False)["conv-bn/zero2"]
 
 
 def test_zero2_on_a_batchnorm_convnet_is_ddp_bit_for_bit(batchnorm_row):
@@ -84,7 +84,7 @@ def test_zero2_on_a_batchnorm_convnet_is_ddp_bit_for_bit(batchnorm_row):
     pytest.param("collective_wrong_slice", marks=pytest.mark.slow),
     pytest.param("fires_twice", marks=pytest.mark.slow)])
 def test_each_fault_fails_the_batchnorm_row(fault):
-    row = workload_checks.zero2([BATCHNORM], fault)["conv-bn/zero2"]
+    row = workload_checks.zero2([BATCHNORM], fault, with_engines=False)["conv-bn/zero2"]
     assert row["problems"], row
 
 
@@ -142,7 +142,7 @@ def test_a_model_float64_cannot_run_is_judged_without_rounding_level_excuses():
     assert rounding is None and len(reference) == 2
     assert why == ("float64 cannot run this model (RuntimeError: no float64 kernel for this "
                    "op)")
-    row = workload_checks.zero2([FLOAT32_ONLY])["float32-only/zero2"]
+    row = workload_checks.zero2([FLOAT32_ONLY], with_engines=False)["float32-only/zero2"]
     assert row["problems"] == [], row
     assert "float64 cannot run this model" in row["parity"]
 

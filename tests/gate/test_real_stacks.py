@@ -46,7 +46,7 @@ def test_gpt2_trains_with_its_dropout_on():
 
 @pytest.mark.distributed
 def test_zero2_trains_each_real_model_like_data_parallelism():
-    rows = workload_checks.zero2(WORKLOADS)
+    rows = workload_checks.zero2(WORKLOADS, with_engines=False)
     assert _failed(rows) == []
     # The key third of each qkv bias (2 blocks x 192) and of GPT-2's c_attn (2 x 64), at least;
     # how many more depends on the machine's float32 kernels (seen: 398 and 129 on CI's run of
@@ -57,6 +57,19 @@ def test_zero2_trains_each_real_model_like_data_parallelism():
         assert excused and int(excused[1]) >= keys, rows[f"{name}/zero2"]["parity"]
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_engines_train_each_real_model_like_ddp():
+    # ~25 s: DDP, FSDP2 ZeRO-2 and ZeRO-3 and the optimizer in backward under FSDP2 on every
+    # real model (the default tier has a fast row per engine, tests/engines/test_engines.py)
+    rows = workload_checks.zero2(WORKLOADS, with_zero2=False)
+    assert _failed(rows) == []
+    for w in WORKLOADS:  # fp32 where FSDP2 applies: DDP's arithmetic, bit for bit
+        row = rows[f"{w.name}/engines/fsdp2_zero3"]
+        if w.precision == "fp32" and "not_applicable" not in row:
+            assert row["parity"].startswith("vs DDP on the same shares: bit-exact"), row
+
+
 @pytest.mark.distributed
 def test_without_the_rounding_level_bounds_the_vit_is_judged_within_the_noise_floor(
         monkeypatch):
@@ -64,7 +77,7 @@ def test_without_the_rounding_level_bounds_the_vit_is_judged_within_the_noise_fl
     # follows the summation order, so DDP itself leaves the single process's tolerance; then
     # the single process is the second yardstick within the measured floor, and DDP the first.
     monkeypatch.setattr(references, "rounding_level", lambda *a: {})
-    row = workload_checks.zero2([VIT])["vit/zero2"]
+    row = workload_checks.zero2([VIT], with_engines=False)["vit/zero2"]
     assert row["problems"] == [], row
     assert row["parity"].startswith("vs DDP on the same shares: bit-exact;")
     assert "so judged within 2x the measured noise floor per element" in row["parity"]
@@ -75,7 +88,7 @@ def test_without_the_rounding_level_bounds_the_vit_is_judged_within_the_noise_fl
                                    "fires_twice"])
 def test_the_rounding_level_bounds_do_not_hide_a_fault_on_the_vit(fault):
     # (a kept gradient is a memory fault: the memory rows catch it, test below)
-    assert workload_checks.zero2([VIT], fault)["vit/zero2"]["problems"]
+    assert workload_checks.zero2([VIT], fault, with_engines=False)["vit/zero2"]["problems"]
 
 
 @pytest.mark.parametrize("fault", ["fires_twice", "keeps_gradients_alive"])
