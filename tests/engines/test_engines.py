@@ -178,3 +178,30 @@ def test_fsdp2_says_in_words_where_this_torch_cannot_run_it_on_cpu_ranks(monkeyp
     why = fsdp2.cannot_run_here()
     assert why.startswith("this torch's FSDP2 cannot run on CPU ranks") and "CUDA streams" in why
     assert verdicts.not_applicable(WORKLOAD, 3, 2) == dict.fromkeys(verdicts.ENGINES[1:], why)
+
+
+def _accumulate_on_shards(rank: int, world: int) -> str | None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
+
+    model = Blocks()
+    fsdp2.shard(model, init_device_mesh("cpu", (world,)), True, None)
+    before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+    try:
+        OptimizerInBackward(model, torch.optim.AdamW, model.parameters(), accumulation_steps=2)
+    except ValueError as e:
+        unchanged = all(torch.equal(p.full_tensor(), before[n])
+                        for n, p in model.named_parameters())
+        return f"{e} (unchanged: {unchanged})"
+    return None
+
+
+def test_the_optimizer_in_backward_refuses_to_count_micro_batches_on_fsdp2_shards():
+    # FSDP2 calls the shards' hooks only when it reduce-scatters: counting micro-batches in
+    # the hooks would never see the unsynced ones; the refusal says how to accumulate instead
+    from hookbench.core import launch
+
+    for got in launch.run(_accumulate_on_shards, 2, timeout=120):
+        assert got is not None and got.startswith("accumulation_steps > 1 on FSDP2"), got
+        assert "set_requires_gradient_sync(False)" in got and got.endswith("(unchanged: True)")
