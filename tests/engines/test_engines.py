@@ -50,8 +50,10 @@ def engine_rows(workload: Workload, fault: str | None = None) -> dict[str, dict]
 
 
 @pytest.fixture(scope="module")
-def rows() -> dict[str, dict]:
-    return engine_rows(WORKLOAD)
+def rows(request: pytest.FixtureRequest) -> dict[str, dict]:
+    # under ``--hookbench-fault`` the spawned ranks run that fault too (they do not inherit
+    # this process's injection), so that the suite fails under every engine fault
+    return engine_rows(WORKLOAD, request.config.getoption("--hookbench-fault"))
 
 
 def test_every_engine_holds_on_a_workload_with_dropout_and_weight_decay(rows):
