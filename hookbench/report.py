@@ -156,6 +156,10 @@ def workload_section(title: str, rows: dict[str, dict[str, Any]]) -> Section:
         elif "records" in value:
             section.add(True, key, f"{value['records']} of {value['calls']} module calls "
                                    f"recorded; loss and gradients bit for bit without capture")
+        elif "against" in value:  # an engine's peak against its bound
+            section.add(True, key, value["against"] + (
+                f" (backend {value['backend']}: {value['fallback']})"
+                if value.get("fallback") else ""))
         else:
             section.add(True, key, value.get("parity", "the reference the others follow"))
     return section

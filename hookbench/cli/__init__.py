@@ -7,6 +7,9 @@
     hookbench zero2         ZeRO-2 demo: per-rank peak memory and parity; under torchrun
                             (torchrun --nproc-per-node 2 -m hookbench zero2) or spawning;
                             --simulate 1,8,64,1024: the ZeRO paper's memory table, executed
+    hookbench engines       the engines users run (DDP, FSDP2, the optimizer in backward
+                            under FSDP2) on a workload, each row judged; under torchrun, on
+                            one machine or several, or spawning
     hookbench record        record the upgrade gate's baseline (baselines/gate.json and the
                             checkpoint files in baselines/checkpoints/) on purpose
     hookbench gate          the installed torch against that baseline; exits 1 on a regression
@@ -105,6 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     z2.add_argument("--out", default="hookbench-out", help="folder for --simulate's figure")
     z2.set_defaults(run="zero2")
 
+    eng = commands.add_parser(
+        "engines", help="the engines' rows (DDP, FSDP2 ZeRO-2 and ZeRO-3, the optimizer in "
+                        "backward under FSDP2) for a workload, under torchrun or spawning "
+                        "--nproc gloo ranks")
+    eng.add_argument("--workload", action="append",
+                     help=WORKLOAD_HELP + "; else the gate's engines workload, the zoo's tiny MLP")
+    eng.add_argument("--nproc", type=int, default=2, help="ranks to spawn without torchrun")
+    eng.add_argument("--fault", choices=sorted(names.FAULTS), help="inject this fault")
+    eng.add_argument("--timeout", type=float, default=600.0,
+                     help="seconds a rank waits for the others before failing "
+                          "(default: %(default)s)")
+    eng.set_defaults(run="engines")
+
     def baseline_options(command: argparse.ArgumentParser, models: tuple[str, ...]) -> None:
         command.add_argument("--baseline",
                              help=f"the gate's baseline (default: baseline in [tool.hookbench] "
@@ -153,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     sc.add_argument("--json", help="also write which section caught each fault here")
     sc.set_defaults(run="selfcheck")
     args = parser.parse_args(argv)
-    for option in ("batch_size", "nproc", "steps", "seeds", "bucket_numel", "runs", "rounds"):
+    for option in ("batch_size", "nproc", "steps", "seeds", "bucket_numel", "runs", "rounds",
+                   "timeout"):
         value = getattr(args, option, None)  # None: not this command's, or not given
         if value is not None and value < 1:
             parser.error(f"--{option.replace('_', '-')} must be >= 1")

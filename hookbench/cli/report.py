@@ -16,6 +16,7 @@ from hookbench.cli import common
 from hookbench.core import names
 from hookbench.core.prerequisites import attempt
 from hookbench.core.workload import Workload, checkpointed
+from hookbench.engines import memory as engine_memory
 from hookbench.engines.loop import ACCUMULATION
 from hookbench.gate import checks, workload_checks
 from hookbench.gate.workload_checks import not_applicable, refusal, refused_words
@@ -114,18 +115,24 @@ def run(args: argparse.Namespace) -> int:
             parity = parity if "error" not in parity else {f"{spec.name}/zero2": parity}
         sections.append(report.zero2_section(spec, backend, by.get("foreach"),
                                              by.get("in_backward"), common.progress, parity))
+        # the zoo's models are stated at batch 1: for the engines, one sample per rank
+        engined = spec if own else zoo.workload(
+            spec.name, batch_size=workload_checks.ZERO2_RANKS, seed=spec.seed)
         if parity is None:  # the zoo: its engine rows come from the same launch as a user's
             common.progress(f"{spec.name}: the engines on {workload_checks.ZERO2_RANKS} gloo "
                             f"ranks ...")
-            # one sample per rank: the zoo's models are stated at batch 1
-            parity = attempt(lambda: workload_checks.zero2([zoo.workload(
-                spec.name, batch_size=workload_checks.ZERO2_RANKS, seed=spec.seed)]))
+            parity = attempt(lambda: workload_checks.zero2([engined]))
+        common.progress(f"{spec.name}: FSDP2's rank 0 of {engine_memory.WORLD} on fake "
+                        f"tensors ...")
         sections.append(report.workload_section(
             f"{spec.name}: the engines users run, on {workload_checks.ZERO2_RANKS} gloo ranks: "
             f"DDP, FSDP2 as ZeRO-2 and ZeRO-3 ({ACCUMULATION} micro-batches a step, the "
-            f"first without gradient sync), the optimizer in backward under FSDP2",
-            {k: v for k, v in parity.items() if "/engines/" in k} if "error" not in parity
-            else {f"{spec.name}/engines": parity}))
+            f"first without gradient sync), the optimizer in backward under FSDP2; FSDP2's "
+            f"peak on rank 0 of {engine_memory.WORLD} on fake tensors against the ZeRO "
+            f"formula (16 Psi / N with Adam) + what is gathered + activations",
+            {**({k: v for k, v in parity.items() if "/engines/" in k} if "error" not in parity
+                else {f"{spec.name}/engines": parity}),
+             **workload_checks.engine_memory(engined)}))
     data = {"torch": torch.__version__, "backend": backend, "model": spec.name,
             "batch_size": spec.batch_size, "memory": [r.to_dict() for r in results],
             "checks": [{"section": s.title, "row": list(cells), "ok": bool(verdict),

@@ -35,8 +35,8 @@ from hookbench.engines.loop import train
 from hookbench.measure.zero2_runs import local_batch, rank_device
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 
-__all__ = ["SETTINGS", "api", "cannot_run_here", "hook_problems", "peer_trajectory", "shard", "trajectory",
-           "units"]
+__all__ = ["SETTINGS", "api", "cannot_run_here", "hook_problems", "peer_trajectory",
+           "remove_hooks", "shard", "trajectory", "units"]
 
 SETTINGS = {"zero2": {"reshard_after_forward": False, "in_backward": False},
             "zero3": {"reshard_after_forward": True, "in_backward": False},
@@ -118,6 +118,19 @@ def shard(model: torch.nn.Module, mesh: Any, reshard_after_forward: bool,
     fsdp.fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward,
                      mp_policy=policy)
     return blocks
+
+
+def remove_hooks(model: torch.nn.Module) -> None:
+    """Remove the forward hooks ``fully_shard`` registered on every unit of ``model`` (FSDP2
+    has no inverse of ``fully_shard``): for a model sharded, measured and dropped in this
+    process, whose hooks must not outlive the measurement. Read from FSDP2's state's handles,
+    where ``FSDPMemTracker`` also finds them."""
+    for module in model.modules():
+        state = getattr(module, "_get_fsdp_state", None)
+        for name in ("_pre_forward_hook_handle", "_post_forward_hook_handle"):
+            handle = getattr(state() if state else None, name, None)
+            if handle is not None:
+                handle.remove()
 
 
 def _local_bytes(t: torch.Tensor) -> int:

@@ -34,19 +34,23 @@ import torch
 
 from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload
-from hookbench.engines import ddp, fsdp2
+from hookbench.engines import ddp, deepspeed, fsdp2
 from hookbench.measure import zero2_runs
 from hookbench.measure.faults import inject
 from hookbench.measure.parity import (NoiseBounds, Snapshot, Tolerance, compare,
                                       parameters_only, rounding_level, training)
 
-__all__ = ["ENGINE_RUNS", "FLOOR_FACTOR", "judge", "noise_floor", "ranks", "single_process",
-           "with_ddp"]
+__all__ = ["ENGINE_RUNS", "FLOOR_FACTOR", "arithmetic_differs", "floor_bounds", "judge",
+           "noise_floor", "ranks", "single_process", "with_ddp"]
 
 # Against the single process where DDP itself exceeds the derived tolerance: ZeRO-2 may be up
-# to this many times as far from it as DDP is, element by element (plus the tolerance). Two
-# legal orders of the same additions are not each other's mirror image; 2x lets another legal
-# order drift as far again, and a broken reduction is caught against DDP in any case.
+# to this many times as far from it as DDP is, tensor by tensor (the largest |DDP - single
+# process| of each parameter at each step, plus the tolerance). Two legal orders of the same
+# additions are not each other's mirror image; 2x lets another legal order drift as far again,
+# and a broken reduction is caught against DDP in any case. Per tensor, not per element: the
+# drift spreads over a tensor chaotically, and an element where DDP happens to land near the
+# single process has no floor of its own (timm's resnet10t, one image on each of 4 ranks: the
+# FSDP2 rows 525x per element, 0.86x per tensor).
 FLOOR_FACTOR = 2.0
 
 
@@ -73,7 +77,8 @@ def ranks(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, 
     return out
 
 
-ENGINE_RUNS = {"ddp": ddp.trajectory, "fsdp2": fsdp2.trajectory}
+ENGINE_RUNS = {"ddp": ddp.trajectory, "fsdp2": fsdp2.trajectory,
+               "deepspeed": deepspeed.trajectory}
 
 
 def with_ddp(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -117,11 +122,13 @@ def noise_floor(a: list[Snapshot], b: list[Snapshot]) -> list[Snapshot]:
     return [{k: (x[k].double() - y[k].double()).abs() for k in x if k in y} for x, y in zip(a, b)]
 
 
-def _floor_bounds(floor: list[Snapshot], rounding: list[Snapshot] | None) -> list[Snapshot]:
-    """``FLOOR_FACTOR`` x the floor, or the rounding-level bound where that is larger."""
+def floor_bounds(floor: list[Snapshot], rounding: list[Snapshot] | None) -> list[Snapshot]:
+    """``FLOOR_FACTOR`` x the floor's largest element of each tensor (per step), or the
+    rounding-level bound where that is larger."""
     out = []
     for step, entries in enumerate(floor):
-        bounds = {k: FLOOR_FACTOR * v for k, v in entries.items()}
+        bounds = {k: FLOOR_FACTOR * (v.max() if v.numel() else v).expand_as(v)
+                  for k, v in entries.items()}
         for k, v in (rounding[step] if rounding else {}).items():
             if k in bounds:
                 bounds[k] = torch.maximum(bounds[k], v)
@@ -134,9 +141,21 @@ def _largest(floor: list[Snapshot]) -> list[float]:
             for step in floor]
 
 
+def arithmetic_differs(workload: Workload, world: int) -> list[str]:
+    """Why a sharded run cannot match DDP bit for bit on ``workload``, in words ([] where it
+    must). Two ranks' gradients sum to the same fp32 value in any order (a + b = b + a); from
+    three on, a reduce or reduce-scatter and DDP's all-reduce add them in other orders (seen:
+    5.99e-07 on GPT-2's embedding after one step on 4 gloo ranks under torchrun)."""
+    return [why for cond, why in (
+        (workload.clip_grad_norm is not None, "the clipping norm is summed shard by shard"),
+        (workload.compile is not None, "the model is compiled"),
+        (world > 2, f"{world} ranks' gradients are summed in another order than DDP's"))
+        if cond]
+
+
 def judge(workload: Workload, zero2: list[Snapshot], ddp: list[Snapshot] | None,
           reference: list[Snapshot], rounding: list[Snapshot] | None, why: str,
-          tol: Tolerance) -> dict[str, Any]:
+          tol: Tolerance, world: int = 2, differs: tuple[str, ...] = ()) -> dict[str, Any]:
     """A ZeRO-2 run's parameters (rank 0's, every step) against DDP's (None: DDP could not run
     it, and ``why`` says so) and the single process's: ``problems``, ``parity`` (what was
     compared, in words) and ``noise_floor`` (the largest |DDP - single process| per step).
@@ -144,22 +163,28 @@ def judge(workload: Workload, zero2: list[Snapshot], ddp: list[Snapshot] | None,
     Against DDP bit for bit, except where ZeRO-2's arithmetic differs by design: a clipping
     norm summed shard by shard, a compiled model. Against the single process: within ``tol``
     and the rounding-level bounds where DDP itself holds them (the derived tolerance is the
-    tighter one then); else within ``FLOOR_FACTOR`` x the measured noise floor, element by
-    element."""
+    tighter one then); else within ``FLOOR_FACTOR`` x the measured noise floor, tensor by
+    tensor. Where the arithmetic differs (``arithmetic_differs``, or the engine's own
+    ``differs``: why, in words), against DDP within the tolerance and those bounds instead of
+    bit for bit."""
     problems: list[str] = []
     words: list[str] = []
     floor = None
     if ddp is not None:
-        differs = [why_ for cond, why_ in (
-            (workload.clip_grad_norm is not None, "the clipping norm is summed shard by shard"),
-            (workload.compile is not None, "the model is compiled")) if cond]
-        against = compare(zero2, ddp, tol if differs else None)
+        differs = [*arithmetic_differs(workload, world), *differs]
+        floor = noise_floor(ddp, reference)
+        # another legal order of the same sums: within the tolerance and the rounding-level
+        # bounds (an attention key's bias, whose gradient is zero but for rounding: Adam turns
+        # either order's noise into whole steps; ViT on 4 ranks, 140x the tolerance without)
+        # or FLOOR_FACTOR x the measured noise floor, whichever is larger: two legal orders
+        # drift apart as far as DDP and the single process do
+        against = (dataclasses.replace(compare(zero2, ddp, tol, floor_bounds(floor, rounding)),
+                                       rounding_level=0) if differs else compare(zero2, ddp))
         words.append(f"vs DDP on the same shares: {against.verdict()}"
-                     + (f" ({'; '.join(differs)}: within tolerance, not bit for bit)"
-                        if differs else ""))
+                     + (f" ({'; '.join(differs)}: within tolerance and {FLOOR_FACTOR:g}x the "
+                        f"noise floor, not bit for bit)" if differs else ""))
         if not against.ok:
             problems.append(words[-1])
-        floor = noise_floor(ddp, reference)
     else:
         words.append(f"vs DDP: not compared ({why})")
     derived = compare(ddp, reference, tol, rounding) if ddp is not None else None
@@ -169,11 +194,11 @@ def judge(workload: Workload, zero2: list[Snapshot], ddp: list[Snapshot] | None,
         if derived is not None:
             how += "; DDP within the same tolerance"
     else:
-        result = compare(zero2, reference, tol, _floor_bounds(floor, rounding))
+        result = compare(zero2, reference, tol, floor_bounds(floor, rounding))
         result = dataclasses.replace(result, rounding_level=0)  # the bounds are the floor's
         how = (f"; DDP itself is {derived.ratio:.3g}x the tolerance from it (another legal fp32 "
                f"order), so judged within {FLOOR_FACTOR:g}x the measured noise floor per "
-               f"element" + ("" if rounding is not None else f"; {why}"))
+               f"tensor" + ("" if rounding is not None else f"; {why}"))
     words.append(f"vs one process on the ranks' shares: {result.verdict()}{how}")
     if not result.ok:
         problems.append(words[-1])

@@ -20,8 +20,9 @@ What each row is held to:
               ZeRO-2, another engine, agrees with DDP to the bit.
     fsdp2_*   every shard's post-accumulate-grad hook called once per synced backward with its
               reduced shard gradient, never without sync; no gathered gradient left; both
-              ranks equal. fp32: against DDP bit for bit (with 2 ranks FSDP2's AVG and DDP's
-              divide-then-sum are the same fp32 arithmetic: halving is exact), then against one
+              ranks equal. fp32: against DDP bit for bit on 2 ranks (FSDP2's AVG and DDP's
+              divide-then-sum are the same fp32 arithmetic: halving is exact; from 3 ranks on
+              the sums' order differs, ``references.arithmetic_differs``), then against one
               process as ZeRO-2 is (``references.judge``). bf16: FSDP2 runs
               ``MixedPrecisionPolicy(bf16, reduce fp32)``, other arithmetic than DDP's autocast;
               its fp32 shards against ``zero2_runs.mixed_reference`` (a bf16 model, fp32
@@ -34,20 +35,27 @@ What each row is held to:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from hookbench.core.workload import Workload
-from hookbench.engines import ddp, fsdp2, references
+from hookbench.engines import ddp, deepspeed, fsdp2, references
 from hookbench.engines.loop import ACCUMULATION
 from hookbench.measure import zero2_runs
 from hookbench.measure.parity import Tolerance, compare
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
-__all__ = ["ENGINES", "cases", "judge", "not_applicable"]
+__all__ = ["ENGINES", "PEERS", "cases", "judge", "missing", "not_applicable"]
 
 ENGINES = ("ddp", "fsdp2_zero2", "fsdp2_zero3", "fsdp2_in_backward")
+# Why DeepSpeed's sums are not DDP's (``hookbench.engines.deepspeed``)
+DEEPSPEED_DIFFERS = ("DeepSpeed reduces every micro-batch's gradients and sums them in its "
+                     "partition (no no-sync)",)
+# Beside the engines in ``hookbench engines`` only: the gate's rows must not depend on an
+# optional install (deepspeed, the peers extra)
+PEERS = ("deepspeed_zero2",)
 
 
 def _uneven_gradients(workload: Workload, steps: int, world: int) -> str | None:
@@ -73,27 +81,49 @@ def _uneven_gradients(workload: Workload, steps: int, world: int) -> str | None:
     return None
 
 
-def not_applicable(workload: Workload, steps: int, world: int) -> dict[str, str]:
-    """Engine -> why it cannot train ``workload``, for those that cannot."""
+def not_applicable(workload: Workload, steps: int, world: int,
+                   engines: tuple[str, ...] = ENGINES) -> dict[str, str]:
+    """Engine -> why it cannot train ``workload``, for those of ``engines`` that cannot (DDP
+    trains any workload)."""
     cls = workload.optimizer[0]
-    why = (fsdp2.cannot_run_here()
-           or (f"FSDP2 steps each rank's DTensor shard of every parameter; {cls.__name__} is "
-               f"not known to update parameters elementwise (nor to step DTensors)"
-               if cls not in ELEMENTWISE else None)
-           or ("hookbench's FSDP2 rows train eager models (a compiled one is not sharded here)"
-               if workload.compile is not None else None)
-           or _uneven_gradients(workload, steps, world))
-    return dict.fromkeys(ENGINES[1:], why) if why else {}
+    uneven = functools.cache(lambda: _uneven_gradients(workload, steps, world))  # trains: once
+    why: dict[str, str | None] = {}
+    if any(e.startswith("fsdp2") for e in engines):
+        common = (fsdp2.cannot_run_here()
+                  or (f"FSDP2 steps each rank's DTensor shard of every parameter; "
+                      f"{cls.__name__} is not known to update parameters elementwise (nor to "
+                      f"step DTensors)" if cls not in ELEMENTWISE else None)
+                  or ("hookbench's FSDP2 rows train eager models (a compiled one is not "
+                      "sharded here)" if workload.compile is not None else None)
+                  or uneven())
+        why.update(dict.fromkeys((e for e in engines if e.startswith("fsdp2")), common))
+    if "deepspeed_zero2" in engines:
+        why["deepspeed_zero2"] = (
+            deepspeed.cannot_train(workload)
+            or (f"DeepSpeed steps each rank's flat partition alone; {cls.__name__} is not known "
+                f"to update parameters elementwise" if cls not in ELEMENTWISE else None)
+            or ("hookbench's DeepSpeed row trains eager models" if workload.compile is not None
+                else None)
+            or (uneven() or "").replace("FSDP2 reduce-scatters", "DeepSpeed reduces"))
+    return {e: w for e, w in why.items() if w}
 
 
-def cases(workload: Workload, kwargs: dict[str, Any], steps: int, skip: dict[str, str],
-          fault: str | None) -> list[dict[str, Any]]:
-    """The runs for ``references.ranks``: one per engine not in ``skip``, in ENGINES order."""
+def missing(engines: tuple[str, ...]) -> dict[str, str]:
+    """Engine -> the declared optional prerequisite it lacks here (its row is SKIPPED)."""
+    why = deepspeed.available() if "deepspeed_zero2" in engines else None
+    return {"deepspeed_zero2": why} if why else {}
+
+
+def cases(workload: Workload, kwargs: dict[str, Any], steps: int, skip: dict[str, Any],
+          fault: str | None, engines: tuple[str, ...] = ENGINES) -> list[dict[str, Any]]:
+    """The runs for ``references.ranks``: one per engine of ``engines`` not in ``skip``, in
+    that order."""
     base = dict(spec=workload, optimizer_class=workload.optimizer[0], kwargs=kwargs,
                 steps=steps, accumulation=ACCUMULATION, fault=fault)
-    return [{**base, "engine": "ddp"} if engine == "ddp" else
-            {**base, "engine": "fsdp2", "setting": engine.removeprefix("fsdp2_")}
-            for engine in ENGINES if engine not in skip]
+    return [{**base, "engine": "fsdp2", "setting": engine.removeprefix("fsdp2_")}
+            if engine.startswith("fsdp2") else
+            {**base, "engine": engine.removesuffix("_zero2")}
+            for engine in engines if engine not in skip]
 
 
 def _ranks_agree(got: list[dict[str, Any]]) -> list[str]:
@@ -111,11 +141,8 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
     cls = workload.optimizer[0]
     single, rounding, why = references.single_process(workload, cls, kwargs, steps, world,
                                                       accumulation=ACCUMULATION)
-    differs = [w for cond, w in ((workload.clip_grad_norm is not None,
-                                  "the clipping norm is summed shard by shard"),
-                                 (workload.compile is not None, "the model is compiled"))
-               if cond]
-    exact = tol if differs else None  # None: bit for bit
+    differs = references.arithmetic_differs(workload, world)
+    exact = not differs  # bit for bit against DDP, else within tolerance and rounding bounds
     how = f" ({'; '.join(differs)}: within tolerance)" if differs else ""
     out: dict[str, dict[str, Any]] = {}
     for engine, ranks in got.items():
@@ -128,7 +155,8 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
             problems = (ddp.bucket_problems(ranks[0]["after_backward"], trainable)
                         if engine == "ddp" else fsdp2.hook_problems(
                             ranks[0]["after_backward"], trainable,
-                            engine == "fsdp2_in_backward"))
+                            engine == "fsdp2_in_backward") if engine.startswith("fsdp2")
+                        else [])  # DeepSpeed's own hooks are its business: its parity is judged
             out[engine] = {"problems": problems + _ranks_agree(ranks),
                            "snapshots": ranks[0]["snapshots"]}
     snaps = {e: row["snapshots"] for e, row in out.items() if "snapshots" in row}
@@ -144,15 +172,28 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
         if engine == "ddp":
             result = compare(snaps["ddp"], single, tol, rounding)
             words.append(f"vs one process on the ranks' shares: {result.verdict()}")
-            if not result.ok:
-                peer = snaps.get("fsdp2_zero2")
-                if not mixed and peer is not None and compare(peer, snaps["ddp"], exact).ok:
-                    words[-1] = (f"vs one process on the ranks' shares: {result.ratio:.3g}x "
-                                 f"the tolerance, another legal fp32 order, confirmed by FSDP2 "
-                                 f"ZeRO-2 matching DDP{how or ' bit for bit'}: this "
-                                 f"workload's noise floor")
-                else:
-                    row["problems"].append(words[-1])
+            peer = snaps.get("fsdp2_zero2")
+            if not result.ok and not mixed and peer is not None and exact:
+                confirmed = compare(peer, snaps["ddp"]).ok
+                by = "matching DDP bit for bit"
+            elif not result.ok and not mixed and peer is not None:
+                # no engine does DDP's arithmetic: FSDP2 ZeRO-2, another order of the sums,
+                # must drift from the single process too (a DDP that is wrong where FSDP2 is
+                # right fails), and stay within the noise floor's bounds of DDP
+                bounds = references.floor_bounds(references.noise_floor(snaps["ddp"], single),
+                                                 rounding)
+                confirmed = (not compare(peer, single, tol, rounding).ok
+                             and compare(peer, snaps["ddp"], tol, bounds).ok)
+                by = (f"drifting from it too and within {references.FLOOR_FACTOR:g}x the noise "
+                      f"floor of DDP{how}")
+            else:
+                confirmed, by = False, ""
+            if confirmed:
+                words[-1] = (f"vs one process on the ranks' shares: {result.ratio:.3g}x the "
+                             f"tolerance, another legal fp32 order, confirmed by FSDP2 ZeRO-2 "
+                             f"{by}: this workload's noise floor")
+            elif not result.ok:
+                row["problems"].append(words[-1])
         elif engine == "fsdp2_in_backward":
             if "fsdp2_zero3" in snaps:
                 result = compare(row["snapshots"], snaps["fsdp2_zero3"])
@@ -173,7 +214,8 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
                 row["problems"].append(words[-1])
         elif "ddp" in snaps:
             verdict = references.judge(workload, row["snapshots"], snaps["ddp"], single,
-                                       rounding, why, tol)
+                                       rounding, why, tol, world, DEEPSPEED_DIFFERS
+                                       if engine == "deepspeed_zero2" else ())
             words.append(verdict["parity"])
             row["problems"] += verdict["problems"]
         else:

@@ -5,7 +5,9 @@ so that FSDP2's shards cut parameters; 6 samples, 3 per rank). Each row is held 
 ``hookbench.engines.verdicts`` says: the engine's hook contract (every bucket reduced once,
 every shard's post-accumulate-grad hook called once after its reduce-scatter, none without
 gradient sync, no gathered gradient left), its parity with DDP, FSDP2 ZeRO-3 or one process,
-and the stored checksum (or, on another CPU, the tolerance)."""
+and the stored checksum (or, on another CPU, the tolerance). FSDP2's per-rank memory
+(``hookbench.engines.memory``) on the zoo's transformer, against its bound and the stored
+bytes."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from hookbench.core.workload import of
 from hookbench.gate import workload_checks
 from hookbench.gate.checks import Run, Section
 from hookbench.measure import zero2_runs
+from hookbench.models.zoo import workload as zoo_workload
 
 # The engine faults, and a hook fault the shards' hooks must show (each run starts the ranks).
 FAULTS = ("fires_twice", "fsdp2_forgets_shard_hooks", "reduce_scatter_wrong_slice",
@@ -25,12 +28,19 @@ FAULTS = ("fires_twice", "fsdp2_forgets_shard_hooks", "reduce_scatter_wrong_slic
 WORKLOAD = of(zero2_runs.PARITY_SPEC).replace(optimizer=(torch.optim.Adam, {"lr": 1e-2}))
 
 
+# FSDP2's per-rank memory on a model with units to gather and prefetch: the zoo's transformer
+# (4 blocks and a tied root), 2 sequences, on fake tensors (~3 s)
+MEMORY_WORKLOAD = zoo_workload("transformer", batch_size=2)
+
+
 def measure(run: Run) -> dict[str, Any]:
-    return workload_checks.zero2([WORKLOAD], run.fault, with_zero2=False)
+    return {**workload_checks.zero2([WORKLOAD], run.fault, with_zero2=False),
+            **workload_checks.engine_memory(MEMORY_WORKLOAD)}
 
 
 def judge(base: dict, now: dict, run: Run) -> Section:
     return workload_checks.judge(
         base, now, run, f"Engines on {workload_checks.ZERO2_RANKS} gloo ranks, "
         f"{workload_checks.STEPS} steps of the zoo's {WORKLOAD.name}: each engine's hooks, "
-        f"parity and stored checksum")
+        f"parity and stored checksum; FSDP2's peak on the {MEMORY_WORKLOAD.name}, rank 0 of "
+        f"8 on fake tensors, against its bound and the stored bytes")

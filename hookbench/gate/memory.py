@@ -9,7 +9,7 @@ from typing import Any
 
 from hookbench.core.prerequisites import attempt
 from hookbench.gate.checks import Run, Section
-from hookbench.measure.memory import CATEGORIES, format_bytes, measure as measure_step
+from hookbench.measure.memory import format_bytes, measure as measure_step
 from hookbench.models.zoo import workload as zoo_workload
 
 FAULTS = None
@@ -60,9 +60,13 @@ def memory_verdict(rec: dict | None, value: dict, device: str) -> tuple[bool, st
         return False, "no baseline recorded"
     pairs = [("peak", rec["peak"], value["peak"])]
     if device == "fake":  # the CUDA backend's categories come from the same tracker
-        pairs += [(c, rec["breakdown"][c], value["breakdown"][c]) for c in CATEGORIES]
-        pairs.append(("gradients alive", rec["gradients_alive_max"],
-                      value["gradients_alive_max"]))
+        # hookbench's CATEGORIES, or FSDPMemTracker's (the engines' rows): a category that
+        # appears or vanishes counts as 0 B on the other side
+        pairs += [(c, rec["breakdown"].get(c, 0), value["breakdown"].get(c, 0))
+                  for c in dict.fromkeys([*value["breakdown"], *rec["breakdown"]])]
+        if "gradients_alive_max" in value:
+            pairs.append(("gradients alive", rec.get("gradients_alive_max", 0),
+                          value["gradients_alive_max"]))
     over = [f"{what} {amount(n)} > recorded {amount(r)}" + (f" ({n / r - 1:+.1%})" if r else "")
             for what, r, n in pairs if n > r * (1 + slack) + (0 if r else 512)]
     # Exact counting makes a drop as telling as a rise: memory that vanished is a tracker

@@ -69,15 +69,17 @@ from hookbench.core.workload import Workload
 from hookbench.gate.baselines import fingerprint
 from hookbench.gate.checks import Run, Section, trajectory_verdict
 from hookbench.gate.memory import amount, memory_verdict
-from hookbench.engines import references, verdicts
+from hookbench.engines import fsdp2, references, verdicts
+from hookbench.engines.memory import rank_peak
 from hookbench.measure import zero2_runs
 from hookbench.measure.memory import measure_or_fall_back
 from hookbench.measure.parity import Tolerance, accepts, compare, tolerance, trajectory
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
 __all__ = ["DESIGNED", "MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS", "bucket",
-           "capture", "forloop_options", "measure_all", "memory", "not_applicable", "refusal",
-           "refused_words", "trajectories", "zero2"]
+           "capture", "engine_memory", "engine_rows", "engine_runs", "forloop_options",
+           "measure_all", "memory", "not_applicable", "refusal", "refused_words", "trajectories",
+           "zero2"]
 
 FAULTS = None
 
@@ -235,19 +237,11 @@ def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 
                   bucket_numel=bucket(w), steps=STEPS, fault=fault)
              for w in (workloads if with_zero2 else ())]
     engined = workloads if with_engines else []
-    skipped = {w.name: verdicts.not_applicable(w, STEPS, ZERO2_RANKS) for w in engined}
-    engine_cases = [verdicts.cases(w, forloop_options(w), STEPS, skipped[w.name], fault)
-                    for w in engined]
+    stopped, engine_cases = engine_runs(engined, fault)
     ranks = launch.run(references.ranks, ZERO2_RANKS,
                        [*references.with_ddp(cases), *(c for w in engine_cases for c in w)],
                        timeout=timeout)
-    out = {}
-    start = 2 * len(cases)
-    for i, w in enumerate(engined):
-        n = len(engine_cases[i])
-        runs = [[rank[j] for rank in ranks] for j in range(start, start + n)]
-        start += n
-        out.update(_engine_rows(w, forloop_options(w), skipped[w.name], runs))
+    out = engine_rows(engined, stopped, engine_cases, [rank[2 * len(cases):] for rank in ranks])
     for i, (w, case) in enumerate(zip(workloads, cases)):
         def row(i: int = i, w: Workload = w, case: dict = case) -> dict[str, Any]:
             got = [rank[i] for rank in ranks]
@@ -277,19 +271,50 @@ def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 
     return out
 
 
+def engine_runs(workloads: list[Workload], fault: str | None, world: int = ZERO2_RANKS,
+                engines: tuple[str, ...] = verdicts.ENGINES
+                ) -> tuple[dict[str, dict[str, dict[str, str]]], list[list[dict[str, Any]]]]:
+    """Per workload, the rows of the ``engines`` that do not run on it: ``{"not_applicable":
+    why}`` (``verdicts.not_applicable`` on ``world`` ranks) or ``{"skipped": why}`` (a missing
+    optional prerequisite); and the runs of the others for ``references.ranks``."""
+    missing = verdicts.missing(engines)
+    stopped = {w.name: {**{e: {"not_applicable": why} for e, why in
+                           verdicts.not_applicable(w, STEPS, world, engines).items()},
+                        **{e: {"skipped": why} for e, why in missing.items()}}
+               for w in workloads}
+    return stopped, [verdicts.cases(w, forloop_options(w), STEPS, stopped[w.name], fault,
+                                    engines) for w in workloads]
+
+
+def engine_rows(workloads: list[Workload], stopped: dict[str, dict[str, dict[str, str]]],
+                runs: list[list[dict[str, Any]]], ranks: list[list[dict[str, Any]]],
+                world: int = ZERO2_RANKS, engines: tuple[str, ...] = verdicts.ENGINES
+                ) -> dict[str, dict[str, Any]]:
+    """The ``name/engines/<engine>`` rows of ``engine_runs``'s runs from what each rank
+    returned for them (``ranks``: per rank, the results in the runs' order)."""
+    out: dict[str, dict[str, Any]] = {}
+    start = 0
+    for w, cases in zip(workloads, runs):
+        got = [[rank[j] for rank in ranks] for j in range(start, start + len(cases))]
+        start += len(cases)
+        out.update(_engine_rows(w, forloop_options(w), stopped[w.name], got, world, engines))
+    return out
+
+
 def _zero2_tolerance(w: Workload) -> Tolerance:
     # Another order of the fp32 gradient sum (and of a clipping norm): an ulp apart, which
     # autocast turns into a low-precision rounding now and then, as above.
     return _AUTOCAST_TOLERANCE.get(w.precision, zero2_runs.TOLERANCE)
 
 
-def _engine_rows(w: Workload, kwargs: dict[str, Any], skipped: dict[str, str],
-                 runs: list[list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+def _engine_rows(w: Workload, kwargs: dict[str, Any], stopped: dict[str, dict[str, str]],
+                 runs: list[list[dict[str, Any]]], world: int,
+                 engines: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """``name/engines/<engine>`` rows: a fingerprint of rank 0's parameters, the verdict."""
     def judged() -> dict[str, dict[str, Any]]:
-        ran = [e for e in verdicts.ENGINES if e not in skipped]
+        ran = [e for e in engines if e not in stopped]
         t = _zero2_tolerance(w)
-        rows = verdicts.judge(w, dict(zip(ran, runs)), kwargs, STEPS, ZERO2_RANKS, t)
+        rows = verdicts.judge(w, dict(zip(ran, runs)), kwargs, STEPS, world, t)
         for engine, row in rows.items():
             if "snapshots" in row:
                 snapshots = row.pop("snapshots")
@@ -307,9 +332,8 @@ def _engine_rows(w: Workload, kwargs: dict[str, Any], skipped: dict[str, str],
 
     rows = attempt(judged)
     if "error" in rows or "skipped" in rows:  # the judging itself stopped: every row says so
-        return {f"{w.name}/engines/{e}": rows for e in verdicts.ENGINES}
-    return {f"{w.name}/engines/{e}": ({"not_applicable": skipped[e]} if e in skipped
-                                      else rows[e]) for e in verdicts.ENGINES}
+        return {f"{w.name}/engines/{e}": rows for e in engines}
+    return {f"{w.name}/engines/{e}": stopped.get(e) or rows[e] for e in engines}
 
 
 def capture(workload: Workload) -> dict[str, dict[str, Any]]:
@@ -396,6 +420,39 @@ def memory(workload: Workload) -> dict[str, dict[str, Any]]:
     return out
 
 
+def engine_memory(workload: Workload) -> dict[str, dict[str, Any]]:
+    """``name/memory/fsdp2_<setting>``: rank 0 of ``engines.memory.WORLD``'s peak under FSDP2
+    on fake tensors, against its bound (``hookbench.engines.memory``); the optimizer in backward
+    also never above FSDP2 ZeRO-3 with a standard step, and below it by the gradients when
+    backward has ended. Where FSDP2 does not apply (``verdicts.not_applicable``), so says the
+    row; where the optimizer in backward refuses, its trajectory row says so and there is none."""
+    skipped = verdicts.not_applicable(workload, STEPS, ZERO2_RANKS)
+    eager = workload.replace(compile=None)
+    out: dict[str, dict[str, Any]] = {}
+    for setting in fsdp2.SETTINGS:
+        key = f"{workload.name}/memory/fsdp2_{setting}"
+        if f"fsdp2_{setting}" in skipped:
+            out[key] = {"not_applicable": skipped[f"fsdp2_{setting}"]}
+            continue
+        if setting == "in_backward" and refusal(workload, "in_backward"):
+            continue
+
+        def one(setting: str = setting) -> dict[str, Any]:
+            row = rank_peak(eager, setting)
+            standard = out.get(f"{workload.name}/memory/fsdp2_zero3", {})
+            if setting == "in_backward" and "peak" in standard:
+                if row["peak"] > standard["peak"]:
+                    row["problems"].append(f"peak {amount(row['peak'])} above FSDP2 ZeRO-3's "
+                                           f"with a standard step, {amount(standard['peak'])}")
+                if row["states"] >= standard["states"]:
+                    row["problems"].append(f"when backward ended {amount(row['states'])} "
+                                           f"live, not below ZeRO-3's {amount(standard['states'])}")
+            return row
+
+        out[key] = attempt(one)
+    return out
+
+
 def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str, Any]:
     """Every row above for every workload (names must differ)."""
     names = [w.name for w in workloads]
@@ -415,6 +472,7 @@ def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str
     for w in workloads:
         out.update(capture(w))
         out.update(memory(w))
+        out.update(engine_memory(w))
     return out
 
 
@@ -450,7 +508,8 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
                 False, f"CHANGED backend: recorded on {was}, measured now on {now_on}"))
             fallback = f" ({value['fallback']})" if value.get("fallback") else ""
             section.add(ok, key, f"peak {amount(value['peak'])}, backend {now_on}: "
-                                 f"{verdict}{fallback}")
+                                 f"{verdict}{fallback}"
+                        + (f"; {value['against']}" if "against" in value else ""))
         elif "records" in value:  # capture: a module call more or less is a changed model
             ok = rec is not None and rec.get("records") == value["records"]
             section.add(ok, key, f"{value['records']} of {value['calls']} module calls "

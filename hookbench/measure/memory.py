@@ -49,7 +49,8 @@ from hookbench.mechanisms.activation_offload import copying_to_host
 from hookbench.mechanisms.optimizer_in_backward import size_buckets
 
 __all__ = ["BACKENDS", "CATEGORIES", "MemoryResult", "StorageTracker", "byte_unit",
-           "format_bytes", "measure", "measure_or_fall_back", "table_unit", "torch_log_kept"]
+           "format_bytes", "materialize", "measure", "measure_or_fall_back", "table_unit",
+           "torch_log_kept"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 BACKENDS = ("fake", "eager", "cuda")
@@ -317,7 +318,7 @@ def measure(
             with torch.device("meta"):  # outside FakeTensorMode, which refuses meta tensors
                 model = spec.build()
             stack.enter_context(FakeTensorMode())
-            _materialize(model)
+            materialize(model)
             device = torch.device("cpu")
         else:
             device = torch.device("cuda" if backend == "cuda" else "cpu")
@@ -511,7 +512,7 @@ def _gradients_needed(model: nn.Module, strategy: str, tracker: StorageTracker,
     return sum(tracker.rounded(p.nbytes) for p in model.parameters() if p.requires_grad)
 
 
-def _materialize(model: nn.Module) -> None:
+def materialize(model: nn.Module) -> None:
     """Give a meta-device model fake CPU parameters and buffers (inside FakeTensorMode).
 
     Building under FakeTensorMode directly fails: the ViT init (torchvision's, and so

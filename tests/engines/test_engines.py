@@ -6,13 +6,17 @@ the rows it guards. One start of the ranks runs all four engines (~3 s).
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hookbench import Workload
-from hookbench.engines import ddp, fsdp2, verdicts
+from hookbench.core import launch
+from hookbench.engines import ddp, deepspeed, fsdp2, references, verdicts
 from hookbench.gate import workload_checks
 
 pytestmark = pytest.mark.distributed
@@ -207,3 +211,142 @@ def test_the_optimizer_in_backward_refuses_to_count_micro_batches_on_fsdp2_shard
     for got in launch.run(_accumulate_on_shards, 2, timeout=120):
         assert got is not None and got.startswith("accumulation_steps > 1 on FSDP2"), got
         assert "set_requires_gradient_sync(False)" in got and got.endswith("(unchanged: True)")
+
+
+def _judged_on_four_ranks(ddp_shift: float, fsdp2_shift: float) -> dict[str, dict]:
+    """``verdicts.judge`` on 4 ranks, where no engine does DDP's arithmetic, for DDP and FSDP2
+    ZeRO-2 runs made from the single process's own parameters, ``head.weight`` shifted by the
+    given amounts (hooks and buckets as they should be)."""
+
+    from hookbench.engines.loop import ACCUMULATION
+
+    cls, kwargs = WORKLOAD.optimizer
+    single, _, _ = references.single_process(WORKLOAD, cls, kwargs, workload_checks.STEPS, 4,
+                                             accumulation=ACCUMULATION)
+    names = [n for n, p in WORKLOAD.build().named_parameters() if p.requires_grad]
+
+    def shifted(by: float) -> list[dict]:
+        return [{k: v + by if k == "head.weight" else v.clone() for k, v in step.items()}
+                for step in single]
+
+    synced = {"synced": True, "buckets": [(0, names)], "hook_calls": dict.fromkeys(names, 1),
+              "not_reduced": [], "shard_grads": names, "unsharded_grads": [],
+              "peak_shard_grad_bytes": 1}
+    got = {"ddp": [{"snapshots": shifted(ddp_shift), "after_backward": [synced]}],
+           "fsdp2_zero2": [{"snapshots": shifted(fsdp2_shift), "after_backward": [synced],
+                            "units": 2, "unit_bytes": [1, 1, 1]}]}
+    return verdicts.judge(WORKLOAD, got, kwargs, workload_checks.STEPS, 4,
+                          workload_checks._zero2_tolerance(WORKLOAD))
+
+
+def test_on_four_ranks_ddp_far_from_one_process_holds_only_where_fsdp2_drifts_too():
+    # both legal orders far from the single process (a chaotic workload): DDP's drift is the
+    # noise floor, FSDP2 within 2x of it
+    rows = _judged_on_four_ranks(1e-3, -1e-3)
+    assert rows["ddp"]["problems"] == [], rows["ddp"]
+    assert "confirmed by FSDP2 ZeRO-2 drifting from it too" in rows["ddp"]["parity"]
+    assert rows["fsdp2_zero2"]["problems"] == [], rows["fsdp2_zero2"]
+    # DDP wrong where FSDP2 is right: DDP's row fails
+    rows = _judged_on_four_ranks(1e-3, 0.0)
+    assert rows["ddp"]["problems"], rows["ddp"]
+    # FSDP2 further from DDP than 2x the floor: FSDP2's row fails
+    rows = _judged_on_four_ranks(1e-3, -2e-3)
+    assert any("vs DDP on the same shares: FAIL" in p for p in rows["fsdp2_zero2"]["problems"])
+
+
+def test_the_noise_floor_bounds_a_tensor_by_its_largest_drift():
+
+
+    floor = [{"w": torch.tensor([0.0, 1e-3, 0.0]), "empty": torch.empty(0)}]
+    bounds = references.floor_bounds(floor, [{"w": torch.tensor([5e-3, 0.0, 0.0])}])
+    assert torch.equal(bounds[0]["w"], torch.tensor([5e-3, 2e-3, 2e-3]))
+    assert bounds[0]["empty"].numel() == 0
+
+
+def test_two_ranks_must_match_ddp_bit_for_bit_and_more_need_not():
+
+
+    assert references.arithmetic_differs(WORKLOAD, 2) == []
+    assert references.arithmetic_differs(WORKLOAD, 4) == [
+        "4 ranks' gradients are summed in another order than DDP's"]
+
+
+# DeepSpeed ZeRO stage 2 on the workload (hookbench.engines.deepspeed), the peers extra: its
+# row holds, fails when DeepSpeed's reduction hands a rank a neighbour's piece, is SKIPPED
+# naming the extra without it, and says why where it cannot train a workload.
+DS_ENGINES = ("ddp", "deepspeed_zero2")
+needs_deepspeed = pytest.mark.skipif(deepspeed.available() is not None,
+                                     reason=str(deepspeed.available()))
+
+
+@contextlib.contextmanager
+def _all_reduce_hands_wrong_elements():
+    # every dist.all_reduce's result shifted by one element: how DeepSpeed stage 2 reduces its
+    # buckets on gloo ranks (seen: all_reduce, then each rank keeps its partition)
+    import torch.distributed as dist
+
+    original = dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        work = original(tensor, *args, **kwargs)
+        if work is not None:
+            work.wait()
+        tensor.copy_(tensor.roll(1))
+        return work
+
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
+
+
+def _deepspeed_ranks(rank: int, world: int, broken: bool) -> list[dict[str, Any]]:
+    _, runs = workload_checks.engine_runs([WORKLOAD], None, world, DS_ENGINES)
+    out = []
+    for case in (case for cases in runs for case in cases):  # only DeepSpeed's run broken
+        with (_all_reduce_hands_wrong_elements() if broken and case["engine"] == "deepspeed"
+              else contextlib.nullcontext()):
+            out += references.ranks(rank, world, [case])
+    return out
+
+
+def _deepspeed_rows(broken: bool = False) -> dict[str, dict]:
+    stopped, runs = workload_checks.engine_runs([WORKLOAD], None, 2, DS_ENGINES)
+    got = launch.run(_deepspeed_ranks, 2, broken)
+    return workload_checks.engine_rows([WORKLOAD], stopped, runs, got, 2, DS_ENGINES)
+
+
+@pytest.mark.peers
+@needs_deepspeed
+def test_deepspeed_zero2_trains_a_workload_like_ddp():
+    rows = _deepspeed_rows()
+    row = rows["blocks/engines/deepspeed_zero2"]
+    assert row["problems"] == [], row
+    assert row["parity"].startswith("vs DDP on the same shares: ok"), row["parity"]
+    assert "no no-sync" in row["parity"]  # not bit for bit, and it says why
+
+
+@pytest.mark.peers
+@needs_deepspeed
+def test_a_reduction_that_hands_a_rank_the_wrong_piece_fails_deepspeeds_row():
+    rows = _deepspeed_rows(broken=True)
+    assert rows["blocks/engines/deepspeed_zero2"]["problems"], rows
+    assert rows["blocks/engines/ddp"].get("problems") == [], rows  # DDP all-reduces
+
+
+def test_without_deepspeed_the_row_is_skipped_naming_the_extra(monkeypatch):
+    monkeypatch.setattr(deepspeed, "available", lambda: "deepspeed is not installed (x)")
+    stopped, runs = workload_checks.engine_runs([WORKLOAD], None, 2, DS_ENGINES)
+    assert stopped["blocks"] == {"deepspeed_zero2": {"skipped": "deepspeed is not installed (x)"}}
+    assert [case["engine"] for case in runs[0]] == ["ddp"]
+
+
+def test_workloads_deepspeed_cannot_train_say_why():
+    bf16 = WORKLOAD.replace(precision="bf16")
+    assert "not the workload's autocast" in verdicts.not_applicable(
+        bf16, workload_checks.STEPS, 2, DS_ENGINES)["deepspeed_zero2"]
+    lbfgs = WORKLOAD.replace(optimizer=(torch.optim.LBFGS, {"lr": 1e-2}))
+    assert verdicts.not_applicable(lbfgs, workload_checks.STEPS, 2, DS_ENGINES)[
+        "deepspeed_zero2"] == ("DeepSpeed steps each rank's flat partition alone; LBFGS is not "
+                               "known to update parameters elementwise")

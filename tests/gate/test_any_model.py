@@ -149,8 +149,12 @@ def test_an_optimizer_outside_torch_optim_runs_where_it_can_and_says_where_not(s
         assert sign_rows[f"sign/{strategy}"]["parity"] == "vs forloop: bit-exact", strategy
     assert sign_rows["sign/zero2"] == {"refused": "ValueError: SignSGD is not known to update "
                                                   "parameters elementwise"}
-    assert set(k for k in sign_rows if "/memory/" in k) == {"sign/memory/forloop",
-                                                            "sign/memory/in_backward"}
+    assert set(k for k in sign_rows if "/memory/" in k) == {
+        "sign/memory/forloop", "sign/memory/in_backward", "sign/memory/fsdp2_zero2",
+        "sign/memory/fsdp2_zero3", "sign/memory/fsdp2_in_backward"}
+    for setting in ("zero2", "zero3", "in_backward"):  # FSDP2 steps DTensor shards
+        assert "not known to update parameters elementwise" in (
+            sign_rows[f"sign/memory/fsdp2_{setting}"]["not_applicable"])
 
 
 def test_a_recorded_refusal_gates_clean_and_fails_when_it_changes(sign_rows):

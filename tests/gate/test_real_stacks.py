@@ -80,7 +80,7 @@ def test_without_the_rounding_level_bounds_the_vit_is_judged_within_the_noise_fl
     row = workload_checks.zero2([VIT], with_engines=False)["vit/zero2"]
     assert row["problems"] == [], row
     assert row["parity"].startswith("vs DDP on the same shares: bit-exact;")
-    assert "so judged within 2x the measured noise floor per element" in row["parity"]
+    assert "so judged within 2x the measured noise floor per tensor" in row["parity"]
 
 
 @pytest.mark.distributed

@@ -192,13 +192,13 @@ def test_agrees_with_torch_memtracker():
         reason="torch.distributed._tools.mem_tracker (private) is not in this torch")
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from hookbench.measure.memory import _materialize
+    from hookbench.measure.memory import materialize
 
     spec = zoo_workload("vit_b_16")
     with torch.device("meta"):
         model = spec.build()
     with FakeTensorMode():
-        _materialize(model)
+        materialize(model)
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=True)
 
         def step(i):

@@ -1,0 +1,113 @@
+"""FSDP2's per-rank peak on fake tensors against the ZeRO paper's formula
+(``hookbench.engines.memory``): the model states counted to the byte, every setting within its
+bound, the optimizer in backward below ZeRO-3 with a standard step, and each way FSDP2 could
+keep memory it must free (a unit left gathered, gathered gradients kept past their
+reduce-scatter, shard gradients kept past their step) shown to fail the row. One process, a
+fake process group: ~1 s a row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+from hookbench.engines.memory import rank_peak, state_bytes
+from hookbench.gate import workload_checks
+from hookbench.mechanisms import optimizer_in_backward
+from hookbench.models.zoo import workload as zoo_workload
+
+TRANSFORMER = zoo_workload("transformer", batch_size=2)  # Adam; 4 blocks and a tied root
+
+
+def paper(workload, world: int) -> int:
+    """16 Psi / N with Adam, written out independently of the module: FSDP2 pads each
+    parameter's dim 0 to N chunks of equal length; 4 B each of parameter, gradient and Adam's
+    two moments per element, and Adam's 4-byte step count per tensor."""
+    params = [p for p in workload.build().parameters() if p.requires_grad]
+    elements = sum(math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) for p in params)
+    return 16 * elements + 4 * len(params)
+
+
+def test_adam_keeps_two_moments_per_element_and_a_step_per_tensor():
+    assert state_bytes(torch.optim.Adam, {"lr": 1e-3}) == (8, 4)
+    assert state_bytes(torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}) == (4, 0)
+    assert state_bytes(torch.optim.SGD, {"lr": 1e-3}) == (0, 0)
+
+
+@pytest.mark.parametrize("world", [2, 8])
+@pytest.mark.parametrize("setting", ["zero2", "zero3"])
+def test_model_states_when_backward_ends_are_the_papers_16_psi_over_n(setting, world):
+    # counted to the byte: the tracker and the formula count the same padded shards
+    row = rank_peak(TRANSFORMER, setting, world)
+    assert row["backend"] == "fake"
+    assert row["states"] == paper(TRANSFORMER, world)
+    assert row["problems"] == [], row["problems"]
+    assert row["peak"] <= row["bound"]
+
+
+def test_the_optimizer_in_backward_leaves_no_gradient_and_peaks_no_higher_than_zero3():
+    rows = workload_checks.engine_memory(TRANSFORMER)
+    zero3, inb = (rows[f"transformer/memory/fsdp2_{s}"] for s in ("zero3", "in_backward"))
+    assert not zero3["problems"] and not inb["problems"], (zero3, inb)
+    params = [p for p in TRANSFORMER.build().parameters() if p.requires_grad]
+    world = 8
+    grads = 4 * sum(math.ceil(p.shape[0] / world) * (p.numel() // p.shape[0]) for p in params)
+    assert zero3["states"] - inb["states"] == grads  # exactly the gradients' shards
+    assert inb["peak"] <= zero3["peak"]
+
+
+def test_every_setting_holds_its_bound_on_a_convnet_with_buffers():
+    rows = workload_checks.engine_memory(zoo_workload("resnet18", batch_size=2))
+    assert len(rows) == 3
+    for key, row in rows.items():
+        assert row["problems"] == [], (key, row["problems"])
+        assert 0 < row["peak"] <= row["bound"], key
+
+
+def test_a_unit_left_gathered_after_forward_fails_zero3(monkeypatch):
+    # FSDP2 that never reshards: every unit stays gathered, ZeRO-3 holds ZeRO-2's memory
+    monkeypatch.setattr(FSDPParamGroup, "reshard", lambda self: None)
+    row = rank_peak(TRANSFORMER, "zero3")
+    assert any("gathered parameters" in p for p in row["problems"]), row["problems"]
+    assert any("when backward ended" in p for p in row["problems"]), row["problems"]
+
+
+def test_gathered_gradients_kept_past_their_reduce_scatter_fail(monkeypatch):
+    kept: list[torch.Tensor] = []
+    post_backward = FSDPParamGroup.post_backward
+
+    def keeping(self, *args, **kwargs):
+        kept.extend(fp._unsharded_param.grad for fp in self.fsdp_params
+                    if fp._unsharded_param.grad is not None)
+        return post_backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(FSDPParamGroup, "post_backward", keeping)
+    try:
+        row = rank_peak(TRANSFORMER, "zero3")
+    finally:
+        kept.clear()
+    assert any("communication" in p for p in row["problems"]), row["problems"]
+
+
+def test_shard_gradients_kept_past_their_step_fail_the_optimizer_in_backward(monkeypatch):
+    kept: list[torch.Tensor] = []
+    finish = optimizer_in_backward.OptimizerInBackward._finish
+
+    def keeping(self, unit):
+        kept.extend(p.grad for p in unit.params if p.grad is not None)
+        return finish(self, unit)
+
+    monkeypatch.setattr(optimizer_in_backward.OptimizerInBackward, "_finish", keeping)
+    try:
+        row = rank_peak(TRANSFORMER, "in_backward")
+    finally:
+        kept.clear()
+    assert row["problems"], row
+
+
+def test_an_unknown_setting_is_refused():
+    with pytest.raises(ValueError, match="unknown FSDP2 setting"):
+        rank_peak(TRANSFORMER, "zero4")
