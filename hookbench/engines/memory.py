@@ -25,8 +25,9 @@ the last, which the formula leaves out and is measured:
                        forward to backward (the paper's 4 Psi, 2 Psi in bf16); ZeRO-3: the root
                        (FSDP2 does not reshard it after forward) and two more units, the one
                        computing and the one prefetched
-    communication      one all-gather output, one unit's gathered gradients and one
-                       reduce-scatter input, of the largest unit
+    communication      three times the largest unit, gathered: the buffers in flight, all-gather
+                       outputs not yet copied out (seen: two at once in ZeRO-2 on resnet18),
+                       gathered gradients not yet reduce-scattered, reduce-scatter inputs (fp32)
     activations        activations, backward's temporaries, inputs and buffers, measured at
                        the peak
 
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload
 from hookbench.engines import fsdp2
 from hookbench.measure.memory import format_bytes, materialize, torch_log_kept
@@ -123,9 +125,6 @@ def _run(workload: Workload, setting: str, world: int, fake: bool) -> dict[str, 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        raise ValueError("rank_peak simulates its ranks in a fake process group of its own; "
-                         "call it outside torch.distributed")
     settings = fsdp2.SETTINGS[setting]
     param_dtype = torch.bfloat16 if workload.precision == "bf16" else None
     cls, kwargs = workload.optimizer
@@ -187,6 +186,9 @@ def rank_peak(workload: Workload, setting: str, world: int = WORLD) -> dict[str,
     ("fake", or "eager" with ``fallback``: why), ``against`` (the row's words), ``problems``."""
     if setting not in fsdp2.SETTINGS:
         raise ValueError(f"unknown FSDP2 setting {setting!r}; choose from {list(fsdp2.SETTINGS)}")
+    if dist.is_initialized():
+        raise ValueError("rank_peak simulates its ranks in a fake process group of its own; "
+                         "call it outside torch.distributed")
     fallback = None
     kept: list[str] = []
     try:
@@ -194,8 +196,6 @@ def rank_peak(workload: Workload, setting: str, world: int = WORLD) -> dict[str,
             got = _run(workload, setting, world, fake=True)
         backend = "fake"
     except Exception as e:  # noqa: BLE001 - what fake tensors cannot run: real tensors must
-        from hookbench.core.prerequisites import one_line
-
         fallback = f"fake tensors cannot run {workload.name} under FSDP2: {one_line(e)}"
         got, backend = _run(workload, setting, world, fake=False), "eager"
     predicted = got.pop("predicted")

@@ -37,7 +37,7 @@ def test_adam_keeps_two_moments_per_element_and_a_step_per_tensor():
     assert state_bytes(torch.optim.SGD, {"lr": 1e-3}) == (0, 0)
 
 
-@pytest.mark.parametrize("world", [2, 8])
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 8])
 @pytest.mark.parametrize("setting", ["zero2", "zero3"])
 def test_model_states_when_backward_ends_are_the_papers_16_psi_over_n(setting, world):
     # counted to the byte: the tracker and the formula count the same padded shards
@@ -59,6 +59,7 @@ def test_the_optimizer_in_backward_leaves_no_gradient_and_peaks_no_higher_than_z
     assert inb["peak"] <= zero3["peak"]
 
 
+@pytest.mark.slow  # 6 s; the transformer's rows above are the default tier's
 def test_every_setting_holds_its_bound_on_a_convnet_with_buffers():
     rows = workload_checks.engine_memory(zoo_workload("resnet18", batch_size=2))
     assert len(rows) == 3
