@@ -46,12 +46,6 @@ def _workloads(args: argparse.Namespace) -> list[Workload]:
     return found or [gate_engines.WORKLOAD]
 
 
-def _rank(rank: int, world: int, workloads: list[Workload], fault: str | None
-          ) -> list[dict[str, Any]]:
-    _, runs = workload_checks.engine_runs(workloads, fault, world, ENGINES)
-    return references.ranks(rank, world, [case for cases in runs for case in cases])
-
-
 def _what_runs(workloads: list[Workload], fault: str | None) -> dict[str, Any]:
     return {"torch": torch.__version__, "hookbench": hookbench.__version__,
             "python": platform.python_version(), "fault": fault,
@@ -70,20 +64,20 @@ def _same_everywhere(mine: dict[str, Any], world: int) -> None:
         raise ValueError(f"the ranks do not run the same thing: {'; '.join(differ)}")
 
 
-def _under_torchrun(workloads: list[Workload], fault: str | None, timeout: float
-                    ) -> tuple[int, list[list[dict[str, Any]]] | None]:
+def _under_torchrun(workloads: list[Workload], fault: str | None, timeout: float,
+                    cases: list[dict[str, Any]]) -> list[list[dict[str, Any]]] | None:
     """This rank's part; rank 0 gets every rank's results, the others None."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     _same_everywhere(_what_runs(workloads, fault), world)
     try:
-        mine: Any = _rank(rank, world, workloads, fault)
+        mine: Any = references.ranks(rank, world, cases)
     except Exception as e:  # noqa: BLE001 - sent to rank 0, which says it; nobody waits
         mine = {"error": f"rank {rank}: {type(e).__name__}: {e}"}
     got: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object(mine, got, dst=0)
-    return world, got
+    return got
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,29 +86,31 @@ def run(args: argparse.Namespace) -> int:
     world = int(os.environ["WORLD_SIZE"]) if under_torchrun else args.nproc
     for w in workloads:  # on every rank alike: one line, exit 2, before anything trains
         w.check(shares=world)
+    # once per process (every rank under torchrun computes the same): what runs, what cannot
+    stopped, runs = workload_checks.engine_runs(workloads, args.fault, world, ENGINES)
+    cases = [case for each in runs for case in each]
     if under_torchrun:
         try:
-            world, got = _under_torchrun(workloads, args.fault, args.timeout)
+            got = _under_torchrun(workloads, args.fault, args.timeout, cases)
             code = [0]
             if got is not None:
-                code = [_print(workloads, args.fault, world, got)]
+                code = [_print(workloads, stopped, runs, args.fault, world, got)]
             dist.broadcast_object_list(code, src=0)  # every rank exits with rank 0's verdict
             return code[0]
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
     common.progress(f"spawning {world} gloo ranks (run under torchrun to use its ranks) ...")
-    got = launch.run(_rank, world, workloads, args.fault, timeout=args.timeout)
-    return _print(workloads, args.fault, world, got)
+    got = launch.run(references.ranks, world, cases, timeout=args.timeout)
+    return _print(workloads, stopped, runs, args.fault, world, got)
 
 
-def _print(workloads: list[Workload], fault: str | None, world: int,
-           got: list[Any]) -> int:
+def _print(workloads: list[Workload], stopped: dict[str, Any], runs: list[list[dict]],
+           fault: str | None, world: int, got: list[Any]) -> int:
     failed = [g["error"] for g in got if isinstance(g, dict)]
     if failed:
         print("hookbench engines: FAILED: " + "; ".join(failed))
         return 1
-    stopped, runs = workload_checks.engine_runs(workloads, fault, world, ENGINES)
     rows = workload_checks.engine_rows(workloads, stopped, runs, got, world, ENGINES)
     section = report.workload_section(
         f"The engines on {world} {'nccl' if torch.cuda.is_available() else 'gloo'} ranks, "

@@ -423,8 +423,8 @@ def memory(workload: Workload) -> dict[str, dict[str, Any]]:
 def engine_memory(workload: Workload) -> dict[str, dict[str, Any]]:
     """``name/memory/fsdp2_<setting>``: rank 0 of ``engines.memory.WORLD``'s peak under FSDP2
     on fake tensors, against its bound (``hookbench.engines.memory``); the optimizer in backward
-    also never above FSDP2 ZeRO-3 with a standard step, and below it by the gradients when
-    backward has ended. Where FSDP2 does not apply (``verdicts.not_applicable``), so says the
+    also never above FSDP2 ZeRO-3 with a standard step, and below it when backward has
+    ended. Where FSDP2 does not apply (``verdicts.not_applicable``), so says the
     row; where the optimizer in backward refuses, its trajectory row says so and there is none."""
     skipped = verdicts.not_applicable(workload, STEPS, ZERO2_RANKS)
     eager = workload.replace(compile=None)
