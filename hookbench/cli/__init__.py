@@ -36,11 +36,18 @@ WORKLOAD_HELP = ("a workload by import path, package.module:attribute (a hookben
                  "repeatable. Default: workloads in [tool.hookbench] of pyproject.toml")
 
 
+def say(line: str) -> None:
+    """One line on stderr in one write: ranks under torchrun share the agent's stderr, and
+    ``print`` writes the text and its newline apart, so two ranks' lines could run together."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 class _Parser(argparse.ArgumentParser):
     """Bad arguments: one line naming the problem, exit code 2 (not the usage block)."""
 
     def error(self, message: str):  # type: ignore[override]
-        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        say(f"{self.prog}: error: {message} (see {self.prog} --help)")
         sys.exit(2)
 
 
@@ -179,13 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:  # a torch without a module or name hookbench imports at load time
         import torch
 
-        print(f"hookbench: FAILED: cannot load hookbench on torch {torch.__version__}: "
-              f"{type(e).__name__}: {e}", file=sys.stderr)
+        say(f"hookbench: FAILED: cannot load hookbench on torch {torch.__version__}: "
+            f"{type(e).__name__}: {e}")
         return 1
     # What cannot run here (bad arguments, no CUDA, no or a corrupt baseline): one line, exit 2.
     try:
         return command.run(args)
     except (RuntimeError, ValueError, TypeError, FileNotFoundError, ImportError) as e:
-        print(f"hookbench {args.command}: error: {e}", file=sys.stderr)
+        say(f"hookbench {args.command}: error: {e}")
         return 2
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
 from hookbench import gate
+from hookbench.cli import say
 from hookbench.core.workload import Workload, configured, load
 from hookbench.gate import baselines
 from hookbench.models.zoo import ZOO
@@ -20,7 +20,7 @@ from hookbench.models.zoo import workload as zoo_workload
 
 
 def progress(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    say(message)
 
 
 
