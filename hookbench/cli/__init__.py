@@ -139,6 +139,15 @@ def main(argv: list[str] | None = None) -> int:
                              help=f"comma-separated (default: {','.join(names.GATE_SECTIONS)}; with "
                                   f"workloads, {','.join(names.GATE_WORKLOAD_SECTIONS)})")
 
+    def verdict_options(command: argparse.ArgumentParser) -> None:
+        command.add_argument("--junit-xml", metavar="PATH",
+                             help="also write the rows as JUnit XML: a test suite per section, "
+                                  "a failed row a failure (CI tools list them)")
+        command.add_argument("--json", metavar="PATH",
+                             help="also write every row as JSON: name, verdict, recorded, "
+                                  "now, detail")
+
+    verdict_options(rep)
     rec = commands.add_parser("record", help="record the upgrade gate's baseline on purpose "
                                              "(hook outcomes, checksums, memory, time ratios)")
     baseline_options(rec, names.GATE_RECORD_MODELS)
@@ -159,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     gt.add_argument("--strict-warnings", action="store_true",
                     help="fail on a warning a mechanism's run emits that the baseline did not "
                          "record, or one that vanished (default: list them only)")
+    gt.add_argument("--out", default="hookbench-out",
+                    help="folder for the figure of a failed memory or time row, recorded "
+                         "against now (default: %(default)s)")
+    verdict_options(gt)
     gt.set_defaults(run="gate")
     sp = commands.add_parser("speed", help="the whole-step table: each mode of the optimizer "
                                            "in backward against the standard step, interleaved")

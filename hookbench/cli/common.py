@@ -8,13 +8,14 @@ import argparse
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from hookbench import gate
 from hookbench.cli import say
 from hookbench.core.workload import Workload, configured, load
-from hookbench.gate import baselines
+from hookbench.gate import baselines, export
 from hookbench.models.zoo import ZOO
 from hookbench.models.zoo import workload as zoo_workload
 
@@ -55,6 +56,25 @@ def writable_file(path: str, option: str) -> Path:
     if target.exists() and not os.access(target, os.W_OK):
         raise ValueError(f"{option} {path}: cannot write there (read-only)")
     return target
+
+
+def verdict_files(args: argparse.Namespace) -> dict[str, Path]:
+    """``--junit-xml`` and ``--json``, where given, checked before anything is measured."""
+    return {kind: writable_file(path, f"--{kind.replace('_', '-')}") for kind in
+            ("junit_xml", "json") if (path := getattr(args, kind, None))}
+
+
+def write_verdicts(files: dict[str, Path], command: str, sections: dict[str, Any],
+                   seconds: float, base: dict | None = None, now: dict | None = None,
+                   **about: str) -> list[Path]:
+    """The JUnit XML and JSON files ``verdict_files`` checked (``hookbench.gate.export``)."""
+    written = []
+    if "junit_xml" in files:
+        written.append(export.write_junit(files["junit_xml"], command, sections, seconds,
+                                          **about))
+    if "json" in files:
+        written.append(export.write_json(files["json"], command, sections, base, now, **about))
+    return written
 
 
 def named_workloads(args: argparse.Namespace) -> tuple[list[Workload], dict]:

@@ -46,23 +46,26 @@ def run(args: argparse.Namespace) -> int:
     if args.workload:  # a broken workload: one line, exit 2, before anything is measured
         spec.check(shares=workload_checks.ZERO2_RANKS if "zero2" in chosen else 1)
     out = common.output_dir(args.out)
-    sections, results, written = [], [], [out / "report.json"]
+    files = common.verdict_files(args)
+    started = time.perf_counter()
+    sections: dict[str, checks.Section] = {}  # by report section, "engines" beside "zero2"
+    results, written = [], [out / "report.json"]
     own = bool(args.workload)  # a user's workload: its own rows in place of the built-in's
     if "contract" in chosen:
-        sections.append(checks.contract_section())
+        sections["contract"] = checks.contract_section()
     if "optimizer" in chosen:
         if own:
             common.progress(f"{spec.name}: every strategy, {workload_checks.STEPS} steps ...")
-            sections.append(report.workload_section(
+            sections["optimizer"] = report.workload_section(
                 f"{spec.name}: the standard step per implementation and the optimizer in "
                 f"backward per mode, {workload_checks.STEPS} steps, each against its reference",
-                workload_checks.trajectories(spec)))
+                workload_checks.trajectories(spec))
         else:
-            sections.append(checks.optimizer_in_backward_section())
+            sections["optimizer"] = checks.optimizer_in_backward_section()
     if "capture" in chosen:
-        sections.append(report.workload_section(
+        sections["capture"] = report.workload_section(
             f"Activation capture on {spec.name}'s training step (statistics of every "
-            f"submodule's output)", workload_checks.capture(spec)))
+            f"submodule's output)", workload_checks.capture(spec))
     if "memory" in chosen:
         stopped: dict[str, dict[str, str]] = {}
         fallbacks: set[str] = set()
@@ -101,9 +104,9 @@ def run(args: argparse.Namespace) -> int:
             results.append(got["result"])
             common.progress(f"  peak {format_bytes(results[-1].peak, 4)} "
                       f"({time.perf_counter() - started:.1f} s)")
-        sections.append(report.memory_section(results, stopped, spec.optimizer[0].__name__))
+        sections["memory"] = report.memory_section(results, stopped, spec.optimizer[0].__name__)
         if fallbacks:  # each strategy falls back for the same reason: say it once
-            sections[-1].title += "; " + "; ".join(sorted(fallbacks))
+            sections["memory"].title += "; " + "; ".join(sorted(fallbacks))
         if results:
             written.insert(0, plot.memory_timeline(results, out / "memory.png"))
     if "zero2" in chosen:
@@ -113,8 +116,8 @@ def run(args: argparse.Namespace) -> int:
             common.progress(f"{spec.name}: ZeRO-2 on {workload_checks.ZERO2_RANKS} gloo ranks ...")
             parity = attempt(lambda: workload_checks.zero2([spec]))
             parity = parity if "error" not in parity else {f"{spec.name}/zero2": parity}
-        sections.append(report.zero2_section(spec, backend, by.get("foreach"),
-                                             by.get("in_backward"), common.progress, parity))
+        sections["zero2"] = report.zero2_section(spec, backend, by.get("foreach"),
+                                                 by.get("in_backward"), common.progress, parity)
         # the zoo's models are stated at batch 1: for the engines, one sample per rank
         engined = spec if own else zoo.workload(
             spec.name, batch_size=workload_checks.ZERO2_RANKS, seed=spec.seed)
@@ -124,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             parity = attempt(lambda: workload_checks.zero2([engined]))
         common.progress(f"{spec.name}: FSDP2's rank 0 of {engine_memory.WORLD} on fake "
                         f"tensors ...")
-        sections.append(report.workload_section(
+        sections["engines"] = report.workload_section(
             f"{spec.name}: the engines users run, on {workload_checks.ZERO2_RANKS} gloo ranks: "
             f"DDP, FSDP2 as ZeRO-2 and ZeRO-3 ({ACCUMULATION} micro-batches a step, the "
             f"first without gradient sync), the optimizer in backward under FSDP2; FSDP2's "
@@ -132,13 +135,17 @@ def run(args: argparse.Namespace) -> int:
             f"formula (16 Psi / N with Adam) + what is gathered + activations",
             {**({k: v for k, v in parity.items() if "/engines/" in k} if "error" not in parity
                 else {f"{spec.name}/engines": parity}),
-             **workload_checks.engine_memory(engined)}))
+             **workload_checks.engine_memory(engined)})
     data = {"torch": torch.__version__, "backend": backend, "model": spec.name,
             "batch_size": spec.batch_size, "memory": [r.to_dict() for r in results],
             "checks": [{"section": s.title, "row": list(cells), "ok": bool(verdict),
-                        "verdict": verdict.name} for s in sections for cells, verdict in s.rows]}
+                        "verdict": verdict.name} for s in sections.values()
+                       for cells, verdict in s.rows]}
     (out / "report.json").write_text(json.dumps(data, indent=1, default=str))
-    print(report.render(sections))
+    written += common.write_verdicts(files, "hookbench report", sections,
+                                     time.perf_counter() - started, model=spec.name,
+                                     backend=backend)
+    print(report.render(list(sections.values())))
     print(f"\nwrote {' and '.join(map(str, written))}"
           + (f" and memory snapshots in {out}" if backend == "cuda" and results else ""))
-    return 0 if all(s.ok for s in sections) else 1
+    return 0 if all(s.ok for s in sections.values()) else 1

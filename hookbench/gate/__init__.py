@@ -142,13 +142,14 @@ def gate(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
          models: tuple[str, ...] = MODELS, fault: str | None = None, device: str = "fake",
          zero2_ranks: list | None = None, time_slack: float = step_time.SLACK,
          checkpoint_dir: str | Path | None = None, strict_warnings: bool = False,
-         workloads: list[Workload] = ()) -> dict[str, Section]:
-    """Measure on the installed torch and judge against ``base``, by section."""
+         workloads: list[Workload] = ()) -> tuple[dict[str, Section], dict[str, Any]]:
+    """Measure on the installed torch and judge against ``base``: the verdict by section, and
+    what was measured (``measure_all``)."""
     now = measure_all(sections, models, fault, device, zero2_ranks, checkpoint_dir, workloads)
     now["device"] = device
     with inject(fault):
         return check(base, now, parity="parity" in sections, time_slack=time_slack,
-                     strict_warnings=strict_warnings)
+                     strict_warnings=strict_warnings), now
 
 
 def selfcheck(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
@@ -168,8 +169,8 @@ def selfcheck(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
         progress(f"gate under {fault or 'no fault'} ...")
         here = tuple(s for s in sections
                      if fault is None or REGISTRY[s].FAULTS is None or fault in REGISTRY[s].FAULTS)
-        result = gate(base, here, models, fault, zero2_ranks=ranks[fault],
-                      checkpoint_dir=checkpoint_dir, strict_warnings=True)
+        result, _ = gate(base, here, models, fault, zero2_ranks=ranks[fault],
+                         checkpoint_dir=checkpoint_dir, strict_warnings=True)
         caught[fault] = {name: list(dict.fromkeys(cells[0] for cells, ok in s.rows if not ok))
                          for name, s in result.items() if not s.ok}
     return caught

@@ -47,9 +47,13 @@ class Verdict(enum.Enum):
 
 @dataclass
 class Section:
+    """``key_columns``: how many leading cells name a row (the rest are values and the
+    verdict's words, last)."""
+
     title: str
     columns: tuple[str, ...]
     rows: list[tuple[tuple[str, ...], Verdict]] = field(default_factory=list)
+    key_columns: int = 1
 
     def add(self, ok: bool, *cells: str) -> None:
         self.rows.append((cells, Verdict.PASS if ok else Verdict.FAIL))
@@ -168,7 +172,7 @@ def optimizer_in_backward_section(spec: TinySpec = REPORT_SPEC) -> Section:
         f"Optimizer in backward vs optimizer.step() ({spec.kind}, depth {spec.depth}, tied and "
         f"frozen layers, {str(spec.dtype).removeprefix('torch.')}, {STEPS} steps x "
         f"{ACCUMULATION} micro-batches)",
-        ("family", "comparison", "verdict"),
+        ("family", "comparison", "verdict"), key_columns=2,
     )
     for family, (cls, kw) in FAMILIES.items():
         runs: dict[tuple[str, int], list] = {}

@@ -1,6 +1,7 @@
-"""Figures (matplotlib, written as PNG): memory over one training step, stacked by category, one
-panel per strategy, like the figures of the PyTorch tutorial on fusing the optimizer step into
-backward; and the coordinate check's width sweep."""
+"""Figures (matplotlib, written as PNG, readable at 1600 pixels wide): the peak of one training
+step per strategy and its memory over the step, stacked by category, like the figures of the
+PyTorch tutorial on fusing the optimizer step into backward; the gate's failed memory and time
+rows, recorded against now; the coordinate check's width sweep; the ZeRO paper's table."""
 
 from __future__ import annotations
 
@@ -11,37 +12,98 @@ from hookbench.measure.coord_check import QUANTITIES, CoordCheck
 from hookbench.measure.memory import CATEGORIES, MemoryResult, byte_unit, format_bytes
 from hookbench.measure.zero_paper import Row, paper_bytes
 
-__all__ = ["coord_check", "memory_timeline", "zero_paper"]
+__all__ = ["coord_check", "memory_timeline", "recorded_against_now", "zero_paper"]
+
+# 14.5 inches at 110 dpi: 1595 pixels wide, three timelines a row of 4.8 inches each
+_WIDTH_IN, _GRID_COLUMNS = 14.5, 3
 
 _COLORS = {"parameters": "#4c72b0", "gradients": "#dd8452", "optimizer_state": "#55a868",
            "activations": "#c44e52", "temporaries": "#8172b3"}
 
 
 def memory_timeline(results: Sequence[MemoryResult], path: str | Path) -> Path:
-    """Write a PNG with one stacked-area panel per result; returns its path."""
+    """Write a PNG readable at 1600 pixels wide: on top, every strategy's peak in one panel,
+    stacked by category (what each saves, side by side); below, a grid of three panels a row,
+    each a strategy's memory over the step, stacked by category, on one shared scale."""
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.6), sharey=True,
-                             squeeze=False)
-    unit, size = byte_unit(max(r.peak for r in results))  # the shared axis: the highest peak's
-    for ax, r in zip(axes[0], results):
+    columns = min(_GRID_COLUMNS, len(results))
+    grid_rows = -(-len(results) // columns)
+    bars_height = 1.0 + 0.32 * len(results)
+    fig = plt.figure(figsize=(_WIDTH_IN, bars_height + 3.3 * grid_rows))
+    grid = fig.add_gridspec(1 + grid_rows, columns,
+                            height_ratios=[bars_height, *[3.3] * grid_rows])
+    unit, size = byte_unit(max(r.peak for r in results))  # one scale: the highest peak's
+    peaks = fig.add_subplot(grid[0, :])
+    left = [0.0] * len(results)
+    for c in CATEGORIES:  # each category's share at the peak, strategy by strategy
+        widths = [r.peak_breakdown[c] / size for r in results]
+        peaks.barh(range(len(results)), widths, left=left, color=_COLORS[c], label=c)
+        left = [a + b for a, b in zip(left, widths)]
+    for i, r in enumerate(results):
+        peaks.text(r.peak / size, i, f" {format_bytes(r.peak)}", va="center", fontsize=8)
+    peaks.set_yticks(range(len(results)), [r.strategy for r in results], fontsize=8)
+    peaks.invert_yaxis()  # the first strategy (the standard step) on top
+    peaks.set_xlim(0, 1.15 * max(r.peak for r in results) / size)
+    peaks.set_xlabel(f"peak ({unit}), by category at the peak", fontsize=8)
+    peaks.legend(loc="lower right", fontsize=7, ncols=len(CATEGORIES))
+    peaks.set_title(f"{results[0].model}, batch {results[0].batch_size}, backend "
+                    f"{results[0].backend}: the peak of one training step per strategy",
+                    fontsize=10)
+    first = None
+    for k, r in enumerate(results):
+        ax = fig.add_subplot(grid[1 + k // columns, k % columns], sharey=first)
+        first = first or ax
         xs = range(len(r.timeline))
         series = [[v[i] / size for _, v in r.timeline] for i in range(len(CATEGORIES))]
-        ax.stackplot(xs, *series, labels=CATEGORIES, colors=[_COLORS[c] for c in CATEGORIES])
+        ax.stackplot(xs, *series, colors=[_COLORS[c] for c in CATEGORIES])
         start = 0
         for i in range(1, len(r.timeline) + 1):  # phase boundaries as thin lines with names
             if i == len(r.timeline) or r.timeline[i][0] != r.timeline[start][0]:
-                if i - start >= len(r.timeline) // 50:  # too short to label legibly
+                if i - start >= len(r.timeline) // 20:  # too short to label legibly
                     ax.axvline(start, color="black", lw=0.4, alpha=0.4)
                     ax.text(start, 0.0, f" {r.timeline[start][0]}", fontsize=7, rotation=90,
                             va="bottom")
                 start = i
         ax.axhline(r.peak / size, color="black", ls="--", lw=0.8)
-        ax.set_title(f"{r.strategy}\npeak {format_bytes(r.peak)} ({r.backend})", fontsize=9)
-        ax.set_xlabel("allocation events in one step")
-    axes[0][0].set_ylabel(unit)
-    axes[0][-1].legend(loc="upper right", fontsize=7)
-    fig.suptitle(f"{results[0].model}, batch {results[0].batch_size}: memory during one "
-                 f"training step", fontsize=10)
+        ax.set_title(f"{r.strategy}: peak {format_bytes(r.peak)}", fontsize=9)
+        ax.set_xlabel("allocation events in one step", fontsize=8)
+        if k % columns == 0:
+            ax.set_ylabel(unit)
+        ax.tick_params(labelsize=7)
+    return _save(fig, path)
+
+
+def recorded_against_now(panels: Sequence[dict], path: str | Path, title: str) -> Path:
+    """Write a PNG of the gate's failed memory and time rows, one panel each: recorded (grey)
+    against now (red) per quantity, with the limit the row was held to as a tick. A panel is
+    ``{"title", "unit", "bars": {quantity: (recorded, now)}, "limits": {quantity: value}}``."""
+    plt = _pyplot()
+    columns = min(2, len(panels))
+    grid_rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(grid_rows, columns, squeeze=False, layout="constrained", figsize=(
+        _WIDTH_IN, (0.5 * max(len(p["bars"]) for p in panels) + 1.5) * grid_rows + 0.4))
+    for ax, panel in zip(axes.flat, panels):
+        labels = list(panel["bars"])
+        ys = range(len(labels))
+        recorded, now = zip(*panel["bars"].values())
+        ax.barh([y - 0.2 for y in ys], recorded, height=0.4, color="#9e9e9e", label="recorded")
+        ax.barh([y + 0.2 for y in ys], now, height=0.4, color="#c44e52", label="now")
+        for y, label in enumerate(labels):
+            if label in panel.get("limits", {}):
+                limit = panel["limits"][label]
+                ax.plot([limit, limit], [y - 0.45, y + 0.45], color="black", lw=1.5)
+            for value, dy in ((recorded[y], -0.2), (now[y], 0.2)):
+                ax.text(value, y + dy, f" {value:.3g}", va="center", fontsize=7)
+        ax.set_yticks(list(ys), labels, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_xlim(0, 1.2 * max([*recorded, *now, *panel.get("limits", {}).values()]))
+        ax.set_xlabel(panel["unit"] + ("; black tick: the limit" if panel.get("limits")
+                                       else ""), fontsize=8)
+        ax.set_title(panel["title"], fontsize=9)
+        ax.legend(fontsize=7, loc="lower right")
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
     return _save(fig, path)
 
 
@@ -83,7 +145,8 @@ def _pyplot():
 
 
 def _save(fig, path: str | Path) -> Path:
-    fig.tight_layout()
+    if not fig.get_constrained_layout():
+        fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
