@@ -336,13 +336,19 @@ def test_the_memory_plot_is_in_the_unit_of_its_peak(small_model, monkeypatch, tm
     monkeypatch.setattr(plot, "_save", lambda fig, path: figures.append(fig) or path)
     plot.memory_timeline(small_model, tmp_path / "memory.png")
     (fig,) = figures
-    axes = fig.axes[:len(small_model)]
+    peaks, *axes = fig.axes  # the peaks side by side on top, then one timeline per strategy
+    assert len(axes) == len(small_model)
+    assert peaks.get_xlabel().startswith("peak (MB)")
+    assert [t.get_text() for t in peaks.get_yticklabels()] == [r.strategy for r in small_model]
     assert axes[0].get_ylabel() == "MB"
     assert [ax.get_title() for ax in axes] == [
-        f"{r.strategy}\npeak {format_bytes(r.peak)} (fake)" for r in small_model]
-    assert axes[0].get_title().endswith(" MB (fake)")  # 15.9 MB, not "peak 0.02 GB"
+        f"{r.strategy}: peak {format_bytes(r.peak)}" for r in small_model]
+    assert axes[0].get_title().endswith(" MB")  # 15.9 MB, not "peak 0.02 GB"
     assert max(ax.get_ylim()[1] for ax in axes) == pytest.approx(small_model[0].peak / 1e6,
                                                                  rel=0.1)
+    # readable at 1600 px: three timelines a row, 1595 px wide at the saved 110 dpi
+    assert fig.get_size_inches()[0] * 110 == pytest.approx(1595)
+    assert len({ax.get_position().x0 for ax in axes}) == min(3, len(axes))
     plot._pyplot().close(fig)
 
 
