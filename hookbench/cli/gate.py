@@ -66,14 +66,12 @@ def failed_panels(result: dict[str, Section], base: dict[str, Any], now: dict[st
             if verdict or rec is None or value is None:
                 continue
             if isinstance(value, dict) and "peak" in value and "peak" in rec:
-                # the peak, and the categories that changed (as in memory_verdict, one absent
-                # on one side is 0 B there): what moved, not every category of the tracker
-                was, new = rec.get("breakdown", {}), value.get("breakdown", {})
+                # the peak, and the categories that changed: what moved, not every category
+                # of the tracker
                 quantities = {"peak": (rec["peak"], value["peak"])} | {
-                    c: (was.get(c, 0), new.get(c, 0)) for c in dict.fromkeys([*new, *was])
-                    if was.get(c, 0) != new.get(c, 0)}
+                    c: (r, n) for c, r, n in memory.category_pairs(rec, value) if r != n}
                 unit, size = byte_unit(max(max(pair) for pair in quantities.values()))
-                slack = memory.SLACK if value.get("backend", device) == "fake" else memory.CUDA_SLACK
+                slack = memory.slack_of(value.get("backend", device))
                 panels.append({
                     "title": f"{section}: {cells[0]}", "unit": unit,
                     "bars": {q: (r / size, n / size) for q, (r, n) in quantities.items()},

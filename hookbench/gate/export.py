@@ -26,6 +26,7 @@ from hookbench.gate.checks import Section, Verdict
 
 __all__ = ["rows", "write_json", "write_junit"]
 
+
 def _name(section: Section, cells: tuple[str, ...]) -> str:
     """The row's name: its leading ``Section.key_columns`` cells."""
     return " / ".join(cells[:section.key_columns])

@@ -53,17 +53,27 @@ def amounts(*ns: int) -> tuple[str, ...]:
     return printed
 
 
+def slack_of(device: str) -> float:
+    """How far a peak may move from its recorded bytes on ``device``'s backend."""
+    return SLACK if device == "fake" else CUDA_SLACK
+
+
+def category_pairs(rec: dict, value: dict) -> list[tuple[str, int, int]]:
+    """(category, recorded, now) for every category of either breakdown: hookbench's
+    CATEGORIES, or FSDPMemTracker's (the engines' rows); one that appears or vanishes counts
+    as 0 B on the other side."""
+    was, new = rec.get("breakdown", {}), value.get("breakdown", {})
+    return [(c, was.get(c, 0), new.get(c, 0)) for c in dict.fromkeys([*new, *was])]
+
+
 def memory_verdict(rec: dict | None, value: dict, device: str) -> tuple[bool, str]:
     """One measured step's memory against its recorded bytes."""
-    slack = SLACK if device == "fake" else CUDA_SLACK
+    slack = slack_of(device)
     if rec is None:
         return False, "no baseline recorded"
     pairs = [("peak", rec["peak"], value["peak"])]
     if device == "fake":  # the CUDA backend's categories come from the same tracker
-        # hookbench's CATEGORIES, or FSDPMemTracker's (the engines' rows): a category that
-        # appears or vanishes counts as 0 B on the other side
-        pairs += [(c, rec["breakdown"].get(c, 0), value["breakdown"].get(c, 0))
-                  for c in dict.fromkeys([*value["breakdown"], *rec["breakdown"]])]
+        pairs += category_pairs(rec, value)
         if "gradients_alive_max" in value:
             pairs.append(("gradients alive", rec.get("gradients_alive_max", 0),
                           value["gradients_alive_max"]))
@@ -86,7 +96,7 @@ def memory_verdict(rec: dict | None, value: dict, device: str) -> tuple[bool, st
 
 def judge(base: dict, now: dict, run: Run) -> Section:
     device = run.device
-    slack = SLACK if device == "fake" else CUDA_SLACK
+    slack = slack_of(device)
     section = Section(
         f"Peak memory per model and strategy (Adam, batch 1, backend {device}) against the "
         f"baseline; fails {slack:.0%} above it" + (" or below it (the fake backend counts "
