@@ -4,8 +4,9 @@
                             torch; writes a PNG and a JSON; exits 1 when a check fails
     hookbench capture       capture a zoo model's activations and print a per-layer table
     hookbench coord-check   the muP coordinate check: width sweep, verdict, plot; exits 1 on FAIL
-    hookbench zero2         ZeRO-2 demo: per-rank peak memory and parity; under torchrun
-                            (torchrun --nproc-per-node 2 -m hookbench zero2) or spawning;
+    hookbench zero2         ZeRO-2 on a zoo model or --workload: per-rank peak memory and
+                            parity; under torchrun (torchrun --nproc-per-node 2 -m hookbench
+                            zero2) or spawning;
                             --simulate 1,8,64,1024: the ZeRO paper's memory table, executed
     hookbench engines       the engines users run (DDP, FSDP2, the optimizer in backward
                             under FSDP2) on a workload, each row judged; under torchrun, on
@@ -106,8 +107,18 @@ def main(argv: list[str] | None = None) -> int:
                       "(under torchrun, or spawning --nproc gloo ranks)")
     z2.add_argument("--nproc", type=int, default=2, help="ranks to spawn without torchrun")
     z2.add_argument("--model", choices=sorted(names.ZOO), default="transformer")
+    z2.add_argument("--workload", action="append",
+                    help=WORKLOAD_HELP + "; instead of --model: trained with its own "
+                         "optimizer, held to torch's DDP and the single process")
     z2.add_argument("--steps", type=int, default=3)
-    z2.add_argument("--bucket-numel", type=int, default=2**20)
+    z2.add_argument("--bucket-numel", type=int,
+                    help="elements of a gradient bucket (default: 2**20 for a zoo model, a "
+                         "quarter of a workload's trainable elements)")
+    z2.add_argument("--fault", choices=sorted(names.FAULTS),
+                    help="with --workload: inject this fault into ZeRO-2 (never into the DDP "
+                         "that judges it)")
+    z2.add_argument("--timeout", type=float, default=600.0,
+                    help="seconds the ranks may take before failing (default: %(default)s)")
     z2.add_argument("--simulate", metavar="N,N,...",
                     help="instead: the ZeRO paper's memory table by executing one step of a "
                          "7.5 B-parameter GPT as rank 0 of each N on fake tensors (e.g. "

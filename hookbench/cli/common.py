@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import hookbench
 from hookbench import gate
 from hookbench.cli import say
 from hookbench.core.workload import Workload, configured, load
@@ -96,6 +98,14 @@ def one_workload(args: argparse.Namespace) -> Workload:
         raise ValueError(f"--workload names {len(found)} workloads "
                          f"({', '.join(w.name for w in found)}); {args.command} takes one")
     return found[0]
+
+
+def what_runs(workloads: list[Workload], fault: str | None = None) -> dict[str, Any]:
+    """What every rank under torchrun must run alike (``launch.on_torchrun`` compares it)."""
+    return {"torch": torch.__version__, "hookbench": hookbench.__version__,
+            "python": platform.python_version(), "fault": fault,
+            "workloads": [(w.name, w.optimizer[0].__name__, w.batch_size, w.precision)
+                          for w in workloads]}
 
 
 def gated(args: argparse.Namespace) -> tuple[list[Workload], tuple[str, ...], str]:

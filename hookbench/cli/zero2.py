@@ -1,21 +1,33 @@
-"""``hookbench zero2``: the ZeRO-2 demo, each rank's peak memory and its parity with
-single-process training, under torchrun or on spawned gloo ranks; ``--simulate 1,8,64``: the
-ZeRO paper's memory table, executed on fake tensors."""
+"""``hookbench zero2``: ZeRO-2 on a zoo model or a user's workload (``--workload``), each rank's
+peak memory and its parity, under torchrun or on spawned gloo ranks; ``--simulate 1,8,64``:
+the ZeRO paper's memory table, executed on fake tensors.
+
+A zoo model is trained with SGD for parity (``_zero2_demo`` says why) and measured with Adam. A
+workload trains with its own optimizer (its for-loop), held as the gate holds it
+(``workload_checks.zero2_row``): to torch's DDP on the same ranks and to the single process,
+every hook once, no gradient left; its memory is one step of that optimizer on each rank, on
+real tensors (eager, as fake tensors do not run compiled code).
+"""
 
 from __future__ import annotations
 
 import argparse
-import os
+from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from hookbench import report
 from hookbench.cli import common
 from hookbench.core import launch
+from hookbench.core.prerequisites import attempt
 from hookbench.core.workload import Workload
+from hookbench.engines import references
+from hookbench.gate import workload_checks
 from hookbench.measure import plot, zero2_runs, zero_paper
 from hookbench.measure.parity import compare, parameters_only, trajectory
 from hookbench.models.zoo import workload as zoo_workload
+
+ZOO_BUCKET = 2**20  # elements of a zoo model's gradient bucket, unless --bucket-numel
 
 
 def _zero2_demo(rank: int, world: int, spec: Workload, steps: int,
@@ -68,40 +80,87 @@ def _zero_paper(args: argparse.Namespace) -> int:
     return 1 if far else 0
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.simulate:
-        return _zero_paper(args)
+def _workload_rank(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    """One rank of ZeRO-2 on a workload: its run and DDP's beside it (``references.ranks``),
+    then, unless ZeRO-2 refused or failed, this rank's memory of one step."""
+    zero2, ddp = references.ranks(rank, world, references.with_ddp([case]))
+    out: dict[str, Any] = {"rank": rank, "zero2": zero2, "ddp": ddp}
+    if "refused" not in zero2 and not zero2["error"]:
+        memory = zero2_runs.rank_memory(
+            rank, world, case["spec"].replace(compile=None),
+            {**case["kwargs"], "bucket_numel": case["bucket_numel"]},
+            optimizer_class=case["optimizer_class"])
+        out.update(peak=memory["peak"], breakdown=memory["breakdown"])
+    return out
 
-    spec = zoo_workload(args.model, batch_size=2 * args.nproc)
-    under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    if under_torchrun:
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        try:
-            world = dist.get_world_size()
-            spec = zoo_workload(args.model, batch_size=2 * world)
-            mine = _zero2_demo(dist.get_rank(), world, spec, args.steps, args.bucket_numel)
-            ranks = [None] * world
-            dist.all_gather_object(ranks, mine)
-            if dist.get_rank() != 0:
-                return 0 if all(r["parity"].ok for r in ranks) else 1
-        finally:
-            dist.destroy_process_group()
-    else:
-        common.progress(f"spawning {args.nproc} gloo ranks (run under torchrun to use its "
-                        f"ranks) ...")
-        world = args.nproc
-        ranks = launch.run(_zero2_demo, world, spec, args.steps, args.bucket_numel, timeout=600)
-    print(f"ZeRO-2, {spec.name}, {world} ranks, global batch {spec.batch_size}, "
-          f"{args.steps} steps, bucket {args.bucket_numel} elements; memory of an Adam step:")
+
+def _print_memory(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
+        if "peak" not in r:
+            continue
         b = r["breakdown"]
         print(f"  rank {r['rank']}: peak {r['peak'] / 1e6:8.2f} MB  (parameters "
               f"{b['parameters'] / 1e6:.2f}, gradient shard {b['gradients'] / 1e6:.2f}, "
               f"optimizer state {b['optimizer_state'] / 1e6:.2f}, activations "
               f"{b['activations'] / 1e6:.2f}, temporaries {b['temporaries'] / 1e6:.2f})")
-    for r in ranks:
-        print(f"  rank {r['rank']} parameters vs single-process training (SGD, momentum 0.9): "
-              f"{r['parity'].verdict()}")
-    ok = all(r["parity"].ok for r in ranks)
-    print("parity: " + ("PASS" if ok else "FAIL"))
-    return 0 if ok else 1
+
+
+def _fails(errors: list[str]) -> bool:
+    if errors:
+        print("hookbench zero2: FAILED: " + "; ".join(errors))
+    return bool(errors)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.simulate:
+        return _zero_paper(args)
+    world = launch.torchrun_world() or args.nproc
+    if args.fault and not args.workload:
+        raise ValueError("--fault needs --workload: the zoo demo's ZeRO-2 is held under every "
+                         "fault by the gate (hookbench selfcheck)")
+    if args.workload:
+        spec = common.one_workload(args)
+        spec.check(shares=world)  # a broken workload: one line, exit 2, before any rank starts
+        case = workload_checks.zero2_case(spec, args.fault, args.steps)
+        if args.bucket_numel:
+            case["bucket_numel"] = args.bucket_numel
+        fn, fn_args = _workload_rank, (case,)
+
+        def verdict(ranks: list, errors: list[str]) -> int:
+            if _fails(errors):
+                return 1
+            cls = spec.optimizer[0]
+            print(f"ZeRO-2, {spec.name}, {world} ranks, global batch {spec.batch_size}, "
+                  f"{args.steps} steps of {cls.__name__}, bucket {case['bucket_numel']} "
+                  f"elements; memory of a step on each rank (real tensors):")
+            _print_memory(ranks)
+            row = attempt(lambda: workload_checks.zero2_row(
+                spec, case, [r["zero2"] for r in ranks], [r["ddp"] for r in ranks], world))
+            section = report.workload_section(
+                f"ZeRO-2 against torch's DDP on the same {world} ranks and the single process",
+                {f"{spec.name}/zero2": row})
+            print(report.render([section], "hookbench zero2"))
+            return 0 if section.ok else 1
+    else:
+        spec = zoo_workload(args.model, batch_size=2 * world)
+        bucket_numel = args.bucket_numel or ZOO_BUCKET
+        fn, fn_args = _zero2_demo, (spec, args.steps, bucket_numel)
+
+        def verdict(ranks: list, errors: list[str]) -> int:
+            if _fails(errors):
+                return 1
+            print(f"ZeRO-2, {spec.name}, {world} ranks, global batch {spec.batch_size}, "
+                  f"{args.steps} steps, bucket {bucket_numel} elements; memory of an Adam step:")
+            _print_memory(ranks)
+            for r in ranks:
+                print(f"  rank {r['rank']} parameters vs single-process training (SGD, "
+                      f"momentum 0.9): {r['parity'].verdict()}")
+            ok = all(r["parity"].ok for r in ranks)
+            print("parity: " + ("PASS" if ok else "FAIL"))
+            return 0 if ok else 1
+
+    if launch.torchrun_world():
+        return launch.on_torchrun(fn, fn_args, common.what_runs([spec], args.fault),
+                                  args.timeout, verdict)
+    common.progress(f"spawning {world} gloo ranks (run under torchrun to use its ranks) ...")
+    return verdict(launch.run(fn, world, *fn_args, timeout=args.timeout), [])

@@ -10,6 +10,12 @@ killed and ``TimeoutError`` is raised. ``fn`` and its arguments must be picklabl
 ``beside(fn, world_size, *args)`` makes the calling process rank 0 and spawns the other ranks
 to run ``fn``: what the ranks do together can then be timed from the driving process (the
 ZeRO-2 benchmark), with the same failure and timeout handling on exit.
+
+``on_torchrun(fn, args, what, timeout, verdict)`` is the same call on the ranks torchrun
+started (``torchrun_world()`` says whether it did): every rank first shows the others ``what``
+it runs and raises, naming it, where any differs; a rank whose ``fn`` raises sends its error
+instead of its result, so that none waits for it; rank 0 turns the results into an exit code,
+with which every rank returns.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["RankFailed", "beside", "free_port", "run"]
+__all__ = ["RankFailed", "beside", "free_port", "on_torchrun", "run", "torchrun_world"]
 
 
 class RankFailed(RuntimeError):
@@ -176,3 +182,52 @@ def beside(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
                 dist.destroy_process_group()
         finally:
             _join(context, 1, world_size, timeout, out)
+
+
+def torchrun_world() -> int | None:
+    """The world size where torchrun started this process as one of its ranks, else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
+
+
+def _same_everywhere(mine: dict[str, Any], world: int) -> None:
+    """Every rank's ``mine``, gathered; raises on every rank where one differs."""
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    differ = [f"rank {r} has {key} {theirs[key]!r}, rank 0 {everyone[0][key]!r}"
+              for r, theirs in enumerate(everyone) for key in mine
+              if theirs[key] != everyone[0][key]]
+    if differ:
+        raise ValueError(f"the ranks do not run the same thing: {'; '.join(differ)}")
+
+
+def on_torchrun(fn: Callable[..., Any], args: tuple, what: dict[str, Any], timeout: float,
+                verdict: Callable[[list, list[str]], int]) -> int:
+    """``fn(rank, world, *args)`` on this torchrun rank (nccl where CUDA is, else gloo, each
+    collective failing after ``timeout`` seconds); rank 0 calls ``verdict(results, errors)``
+    (``errors``: "rank r: Type: message" of each rank whose ``fn`` raised, whose result is then
+    None) and every rank returns the code it returned."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        _same_everywhere(what, world)
+        try:
+            mine: Any = ("result", fn(rank, world, *args))
+        except Exception as e:  # noqa: BLE001 - sent to rank 0, which says it; nobody waits
+            mine = ("error", f"rank {rank}: {type(e).__name__}: {e}")
+        got: list[Any] | None = [None] * world if rank == 0 else None
+        dist.gather_object(mine, got, dst=0)
+        code = [1]  # what the others exit with where rank 0's verdict itself raises
+        try:
+            if got is not None:
+                code = [verdict([value if kind == "result" else None for kind, value in got],
+                                [value for kind, value in got if kind == "error"])]
+            else:
+                code = [0]
+        finally:
+            dist.broadcast_object_list(code, src=0)  # every rank exits with rank 0's verdict
+        return code[0]
+    finally:
+        dist.destroy_process_group()

@@ -225,17 +225,50 @@ def bucket(workload: Workload) -> int:
     return max(1, math.ceil(numel / 4))
 
 
+def zero2_case(workload: Workload, fault: str | None = None, steps: int = STEPS
+               ) -> dict[str, Any]:
+    """ZeRO-2's run of ``workload`` for ``references.ranks``: its optimizer's for-loop, buckets
+    of a quarter of its elements (``bucket``)."""
+    return dict(spec=workload, optimizer_class=workload.optimizer[0],
+                kwargs=forloop_options(workload), bucket_numel=bucket(workload), steps=steps,
+                fault=fault)
+
+
+def zero2_row(workload: Workload, case: dict[str, Any], got: list[dict[str, Any]],
+              ddp: list[dict[str, Any]], world: int = ZERO2_RANKS) -> dict[str, Any]:
+    """ZeRO-2's row from what each rank returned for ``case`` (``got``) and for DDP's case
+    beside it (``ddp``): refused as designed, or judged against DDP and the single process
+    (``references.judge``), every hook once, no gradient left."""
+    why = refusal(workload, "zero2")
+    if any("refused" in g for g in got):
+        return ({"refused": refused_words(got[0]["refused"])} if why else
+                {"problems": [f"ZeRO-2 refused: {got[0]['refused']}"]})
+    if why:
+        return {"problems": [f"ZeRO-2 trained the workload; it must refuse ({why})"]}
+    problems = zero2_runs.rank_problems(got)
+    if any(g["error"] for g in got):
+        return {"problems": problems}
+    if not all(compare(d["snapshots"], ddp[0]["snapshots"]).bit_exact for d in ddp[1:]):
+        problems.append("DDP's ranks hold different parameters")
+    reference, rounding, note = references.single_process(
+        workload, case["optimizer_class"], case["kwargs"], case["steps"], world)
+    t = _zero2_tolerance(workload)
+    verdict = references.judge(workload, got[0]["snapshots"], ddp[0]["snapshots"], reference,
+                               rounding, note, t, world)
+    return {**fingerprint(got[0]["snapshots"], SAMPLE),
+            "problems": problems + verdict["problems"], "parity": verdict["parity"],
+            "noise_floor": verdict["noise_floor"],
+            "tolerance": {"rtol": t.rtol, "atol": t.atol}}
+
+
 def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 300.0,
           with_zero2: bool = True, with_engines: bool = True) -> dict[str, dict[str, Any]]:
     """ZeRO-2 on ``ZERO2_RANKS`` gloo ranks for every workload, torch's DDP beside it, and the
     engines' runs (``engines.verdicts``), from one start of the ranks (a fault is injected
-    into ZeRO-2 and the engines, never into the DDP that judges ZeRO-2): ZeRO-2 judged against
-    DDP and the single process (``references.judge``), every hook once, no gradient left; each
-    engine's row as ``verdicts.judge`` holds it. ``with_zero2=False``: the engines' rows only;
-    ``with_engines=False``: ZeRO-2's only."""
-    cases = [dict(spec=w, optimizer_class=w.optimizer[0], kwargs=forloop_options(w),
-                  bucket_numel=bucket(w), steps=STEPS, fault=fault)
-             for w in (workloads if with_zero2 else ())]
+    into ZeRO-2 and the engines, never into the DDP that judges ZeRO-2): ZeRO-2's rows
+    (``zero2_row``); each engine's row as ``verdicts.judge`` holds it. ``with_zero2=False``:
+    the engines' rows only; ``with_engines=False``: ZeRO-2's only."""
+    cases = [zero2_case(w, fault) for w in (workloads if with_zero2 else ())]
     engined = workloads if with_engines else []
     stopped, engine_cases = engine_runs(engined, fault)
     ranks = launch.run(references.ranks, ZERO2_RANKS,
@@ -243,31 +276,8 @@ def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 
                        timeout=timeout)
     out = engine_rows(engined, stopped, engine_cases, [rank[2 * len(cases):] for rank in ranks])
     for i, (w, case) in enumerate(zip(workloads, cases)):
-        def row(i: int = i, w: Workload = w, case: dict = case) -> dict[str, Any]:
-            got = [rank[i] for rank in ranks]
-            ddp = [rank[len(cases) + i] for rank in ranks]
-            why = refusal(w, "zero2")
-            if any("refused" in g for g in got):
-                return ({"refused": refused_words(got[0]["refused"])} if why else
-                        {"problems": [f"ZeRO-2 refused: {got[0]['refused']}"]})
-            if why:
-                return {"problems": [f"ZeRO-2 trained the workload; it must refuse ({why})"]}
-            problems = zero2_runs.rank_problems(got)
-            if any(g["error"] for g in got):
-                return {"problems": problems}
-            if not compare(ddp[1]["snapshots"], ddp[0]["snapshots"]).bit_exact:
-                problems.append("DDP's ranks hold different parameters")
-            reference, rounding, note = references.single_process(
-                w, w.optimizer[0], case["kwargs"], STEPS, ZERO2_RANKS)
-            t = _zero2_tolerance(w)
-            verdict = references.judge(w, got[0]["snapshots"], ddp[0]["snapshots"], reference,
-                                       rounding, note, t)
-            return {**fingerprint(got[0]["snapshots"], SAMPLE),
-                    "problems": problems + verdict["problems"], "parity": verdict["parity"],
-                    "noise_floor": verdict["noise_floor"],
-                    "tolerance": {"rtol": t.rtol, "atol": t.atol}}
-
-        out[f"{w.name}/zero2"] = attempt(row)
+        out[f"{w.name}/zero2"] = attempt(lambda i=i, w=w, case=case: zero2_row(
+            w, case, [rank[i] for rank in ranks], [rank[len(cases) + i] for rank in ranks]))
     return out
 
 

@@ -326,11 +326,14 @@ def follow(rank: int, world: int, *args: Any, lockstep: type[Lockstep] = Lockste
     return steps
 
 
-def rank_memory(rank: int, world: int, spec: Any, kwargs: dict) -> dict[str, Any]:
-    """This rank's measured memory for one ZeRO-2 step (the tracker on real tensors)."""
+def rank_memory(rank: int, world: int, spec: Any, kwargs: dict,
+                optimizer_class: type | None = None) -> dict[str, Any]:
+    """This rank's measured memory for one ZeRO-2 step (the tracker on real tensors), with
+    ``optimizer_class`` (default: ``measure``'s)."""
     backend = "cuda" if dist.get_backend() == "nccl" else "eager"
     if backend == "cuda":
         rank_device(rank)
-    result = measure(spec, "zero2", backend=backend, optimizer_kwargs=kwargs)
+    result = measure(spec, "zero2", backend=backend, optimizer_class=optimizer_class,
+                     optimizer_kwargs=kwargs)
     return {"peak": result.peak, "breakdown": result.peak_breakdown,
             "timeline": result.timeline}

@@ -1,7 +1,8 @@
-"""``hookbench engines`` on spawned ranks and under torchrun: 4 ranks as 2 nodes of 2 on this
-machine (the multi-node recipe of docs/engines.md, rendezvous on localhost), the rows holding,
-a fault failing them on every rank, and ranks that run different things refusing on every rank,
-naming what differs. Every torchrun agent runs under a timeout.
+"""``hookbench engines`` and ``hookbench zero2 --workload`` on spawned ranks and under
+torchrun: 4 ranks as 2 nodes of 2 on this machine (the multi-node recipe of docs/engines.md,
+rendezvous on localhost), the rows holding, a fault failing them on every rank, and ranks that
+run different things refusing on every rank, naming what differs. Every torchrun agent runs
+under a timeout.
 """
 
 from __future__ import annotations
@@ -62,16 +63,17 @@ def project(tmp_path_factory) -> Path:
     return folder
 
 
-def torchrun(project: Path, *extra: list[str]) -> list[subprocess.CompletedProcess]:
+def torchrun(project: Path, *extra: list[str], command: str = "engines"
+             ) -> list[subprocess.CompletedProcess]:
     """Two torchrun agents (``--nnodes 2 --nproc-per-node 2``), rendezvous on localhost; the
-    i-th agent's ``hookbench engines`` gets ``extra[i]`` after the workload."""
+    i-th agent's ``hookbench <command>`` gets ``extra[i]`` after the workload."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(project), *filter(None, [os.environ.get("PYTHONPATH")])])}
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node",
          "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
-         "--rdzv-id", "hookbench-test", "-m", "hookbench", "engines", "--timeout", "120",
+         "--rdzv-id", "hookbench-test", "-m", "hookbench", command, "--timeout", "120",
          "--workload", "blocks_workload:WORKLOAD", *args],
         cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for args in extra]
@@ -134,3 +136,42 @@ def test_a_batch_the_ranks_cannot_share_is_one_line_and_exit_2(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "hookbench engines: error:" in err[0], err
     assert "4" in err[0]
+
+
+@pytest.mark.slow
+def test_zero2_on_a_workload_under_torchrun_holds_against_ddp_on_4_ranks(project):
+    agents = torchrun(project, [], [], command="zero2")
+    printed = "".join(a.stdout for a in agents)
+    assert [a.returncode for a in agents] == [0, 0], printed
+    assert "ZeRO-2, blocks, 4 ranks, global batch 4, 3 steps of AdamW" in printed
+    assert len(re.findall(r"^  rank \d: peak .* gradient shard", printed, re.M)) == 4, printed
+    assert re.search(r"^  blocks/zero2 +vs DDP on the same shares: ", printed, re.M), printed
+    assert "1 of 1 checks hold" in printed
+
+
+@pytest.mark.slow
+def test_zero2_on_a_workload_fails_its_row_under_a_fault(capsys, project, monkeypatch):
+    monkeypatch.syspath_prepend(str(project))
+    argv = ["zero2", "--workload", "blocks_workload:WORKLOAD", "--nproc", "2"]
+    assert main(argv) == 0
+    held = capsys.readouterr().out
+    assert re.search(r"^  blocks/zero2 +vs DDP on the same shares: bit-exact", held, re.M), held
+    assert main([*argv, "--fault", "collective_wrong_slice"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^! blocks/zero2 ", out, re.M) and "0 of 1 checks hold" in out, out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--workload", "blocks_workload:WORKLOAD", "--nproc", "3"],
+     "does not split over 3 data-parallel ranks"),
+    (["--fault", "fires_twice"], "--fault needs --workload"),
+    (["--workload", "blocks_workload:NOPE"], "NOPE"),
+])
+def test_zero2_bad_input_is_one_line_and_exit_2_before_any_rank_starts(
+        capsys, project, monkeypatch, argv, message):
+    monkeypatch.syspath_prepend(str(project))
+    assert main(["zero2", *argv]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hookbench zero2: error: "), err
+    assert message in err[0] and "spawning" not in captured.err
