@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                                            "in backward against the standard step, interleaved")
     sp.add_argument("--model", choices=sorted({*names.ZOO, "mlp"}), default="vit_b_16",
                     help="a zoo model, or mlp: the benchmarks' MLP (default: %(default)s)")
+    sp.add_argument("--workload", action="append",
+                    help=WORKLOAD_HELP + "; instead of --model: timed with its own optimizer "
+                         "and batch")
     sp.add_argument("--batch-size", type=int, help="a zoo model's batch (default: 2)")
     sp.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     sp.add_argument("--runs", type=int, default=5)

@@ -1,5 +1,7 @@
 """``hookbench speed``: the whole-step table, each mode of the optimizer in backward over the
-standard step of the same implementation, timed interleaved (``gate.step_time.whole_step``)."""
+standard step of the same implementation, timed interleaved (``gate.step_time.whole_step``), on
+a zoo model, the benchmarks' MLP or a user's workload (``--workload``: its own optimizer and
+batch; a cell it cannot have says why beneath the table)."""
 
 from __future__ import annotations
 
@@ -18,39 +20,63 @@ _MODE_NAMES = {"per_parameter": "per parameter", "grouped": "grouped by module",
                "grouped_foreach": "grouped by module", "bucketed": "bucketed 25 MiB"}
 
 
+def _subject(args: argparse.Namespace) -> tuple[object, str, int, str]:
+    """What is timed (a zoo name, "mlp" or a Workload), its name, batch and optimizer."""
+    if args.workload:
+        if args.batch_size is not None:
+            raise ValueError("--batch-size is for zoo models; a workload has its own batch")
+        spec = common.one_workload(args)
+        spec.check()  # a broken workload: one line, exit 2, before anything is timed
+        return spec, spec.name, spec.batch_size, spec.optimizer[0].__name__
+    if args.model == "mlp":
+        if args.batch_size is not None:
+            raise ValueError(f"--batch-size is for zoo models; the benchmarks' MLP has its own "
+                             f"batch of {step_time.BENCHMARK_MLP.batch_size}")
+        return ("mlp", "the benchmarks' MLP (0.8M parameters)",
+                step_time.BENCHMARK_MLP.batch_size, "Adam")
+    return args.model, args.model, args.batch_size or 2, "Adam"
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.model == "mlp" and args.batch_size is not None:
-        raise ValueError(f"--batch-size is for zoo models; the benchmarks' MLP has its own "
-                         f"batch of {step_time.BENCHMARK_MLP.batch_size}")
+    subject, name, batch, optimizer = _subject(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: CUDA is not available here")
     json_path = common.writable_file(args.json, "--json") if args.json else None
-    batch = step_time.BENCHMARK_MLP.batch_size if args.model == "mlp" else args.batch_size or 2
-    what = (f"the benchmarks' MLP (0.8M parameters, batch {batch})" if args.model == "mlp" else
-            f"{args.model}, batch {batch}")
-    print(f"Whole training step (forward, backward, Adam step) of {what}: the optimizer in "
+    print(f"Whole training step (forward, backward, {optimizer} step) of {name}, batch {batch}: the optimizer in "
           f"backward over the standard step of the same implementation, {args.runs} runs of "
           f"{args.rounds} interleaved rounds (each run's fastest round); median (min-max) over "
           f"the runs, torch {torch.__version__}, " + (
               torch.cuda.get_device_name() if args.device == "cuda" else
               f"CPU, {torch.get_num_threads()} threads"))
-    table = step_time.whole_step(args.model, rounds=args.rounds, runs=args.runs,
-                                 batch_size=batch, device=args.device, progress=common.progress)
+    table = step_time.whole_step(subject, rounds=args.rounds, runs=args.runs,
+                                 batch_size=batch, device=args.device,
+                                 progress=common.progress)
     columns = list(dict.fromkeys(_MODE_NAMES[m] for modes in step_time.WHOLE_STEP_PAIRS.values()
                                  for m in modes))
     print(f"  {'implementation':15} {'standard (ms)':>14}  "
           + "  ".join(f"{c:22}" for c in columns))
+    notes: dict[str, int] = {}  # why a cell has no values -> its footnote's number
+
+    def note(words: str) -> str:
+        return f"({notes.setdefault(words, len(notes) + 1)})"
+
     for impl, row in table.items():
+        if isinstance(row, str):  # the optimizer has no such implementation
+            print(f"  {_IMPLEMENTATION_NAMES[impl]:15} {'none ' + note(row):>14}")
+            continue
         cells = dict.fromkeys(columns, "-")
         for mode, values in row.items():
             if mode != "standard":
-                cells[_MODE_NAMES[mode]] = (f"{statistics.median(values):.2f}x "
-                                            f"({min(values):.2f}-{max(values):.2f})")
+                cells[_MODE_NAMES[mode]] = (
+                    f"refused {note(values)}" if isinstance(values, str) else
+                    f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})")
         standard_ms = statistics.median(row["standard"]) * 1e3
         print(f"  {_IMPLEMENTATION_NAMES[impl]:15} {standard_ms:14.1f}  "
               + "  ".join(f"{c:22}" for c in cells.values()))
+    for words, number in notes.items():
+        print(f"  ({number}) {words}")
     if json_path:
-        json_path.write_text(json.dumps({"model": args.model, "batch_size": batch,
+        json_path.write_text(json.dumps({"model": name, "batch_size": batch,
                                          "device": args.device,
                                          "runs": args.runs, "rounds": args.rounds,
                                          "environment": baselines.environment(),

@@ -16,8 +16,9 @@ import torch
 from hookbench.core import names
 from hookbench.core.prerequisites import attempt
 from hookbench.core.workload import Workload
+from hookbench.gate import workload_checks
 from hookbench.gate.checks import Run, Section
-from hookbench.measure.parity import FAMILIES, training
+from hookbench.measure.parity import FAMILIES, accepts, training
 from hookbench.mechanisms.activation_capture import ActivationCapture
 from hookbench.models.zoo import BENCHMARK_MLP, TinySpec
 from hookbench.models.zoo import workload as zoo_workload
@@ -67,51 +68,96 @@ def interleaved(fns: list[Callable[[], object]], rounds: int = 15) -> list[float
     return best
 
 
+def _steady(stack: contextlib.ExitStack, spec: Workload | TinySpec,
+            optimizer: tuple[type, dict[str, Any]], strategy: str, device: str
+            ) -> Callable[[], None]:
+    """``spec`` trained by ``strategy`` past its first step (Adam's state exists from there on:
+    the steady state), its training held open by ``stack``; the next step's callable."""
+    cls, kwargs = optimizer
+    t = stack.enter_context(training(spec, cls, kwargs, strategy, device=device))
+    t.step(0)
+    return functools.partial(t.step, 1)
+
+
 @contextlib.contextmanager
 def steady_steps(spec: Workload | TinySpec, flags: dict[str, Any], strategies: tuple[str, ...],
-                  device: str = "cpu") -> Iterator[list[Callable[[], None]]]:
-    """Adam (with ``flags``) trained by each of ``strategies``, each past its first step (Adam's
-    state exists from there on: the steady state); yields a next-step callable per strategy."""
-    cls, kw = FAMILIES["adam"]
+                 device: str = "cpu", optimizer: tuple[type, dict[str, Any]] = FAMILIES["adam"]
+                 ) -> Iterator[list[Callable[[], None]]]:
+    """``optimizer`` (a class and its options; Adam by default) with ``flags``, trained by each
+    of ``strategies`` in the steady state (``_steady``); a next-step callable per strategy."""
+    cls, kw = optimizer
     with contextlib.ExitStack() as stack:
-        trainings = [stack.enter_context(training(spec, cls, {**kw, **flags}, strategy,
-                                                  device=device)) for strategy in strategies]
-        for t in trainings:
-            t.step(0)
-        yield [functools.partial(t.step, 1) for t in trainings]
+        yield [_steady(stack, spec, (cls, {**kw, **flags}), s, device) for s in strategies]
 
 
-def whole_step(model: str, rounds: int = 15, runs: int = 1, batch_size: int = 2,
+def _implementations(spec: Workload | TinySpec) -> dict[str, dict[str, Any] | str]:
+    """Each implementation's flags for the optimizer ``spec`` trains with (Adam outside a
+    workload), or why its class has none; the for-loop is there for every class."""
+    if not isinstance(spec, Workload):
+        return dict(IMPLEMENTATIONS)
+    cls = spec.optimizer[0]
+    return {impl: (workload_checks.not_applicable(spec, impl)
+                   or (flags if impl != "forloop" or accepts(cls, "foreach") else {}))
+            for impl, flags in IMPLEMENTATIONS.items()}
+
+
+# A cell of the whole-step table: its values, one per run, or the words of why it has none.
+Cell = list[float] | str
+
+
+def whole_step(model: str | Workload, rounds: int = 15, runs: int = 1, batch_size: int = 2,
                device: str = "cpu", progress: Callable[[str], None] = lambda message: None
-               ) -> dict[str, dict[str, list[float]]]:
+               ) -> dict[str, dict[str, Cell] | str]:
     """The whole-step table: per implementation (``IMPLEMENTATIONS``), ``"standard"``: the
     standard step's seconds, and for each mode of ``WHOLE_STEP_PAIRS``: its time over the
     standard step's; one value per run, each run ``rounds`` interleaved rounds of all of them
-    (Adam; ``model`` a zoo name, or "mlp" for the benchmarks' MLP; on CUDA the timer
-    synchronizes around each block). ``progress`` hears of each run."""
-    spec = BENCHMARK_MLP if model == "mlp" else zoo_workload(model, batch_size=batch_size)
-    table: dict[str, dict[str, list[float]]] = {}
-    for impl, flags in IMPLEMENTATIONS.items():  # one implementation's models alive at a time
-        modes = WHOLE_STEP_PAIRS[impl]
-        strategies = (impl, *(WHOLE_STEP_MODES[m] for m in modes))
-        with steady_steps(spec, flags, strategies, device) as steps:
-            row: dict[str, list[float]] = {"standard": [], **{m: [] for m in modes}}
+    (on CUDA the timer synchronizes around each block). ``model``: a zoo name, "mlp" for the
+    benchmarks' MLP (both with Adam), or a workload, with its own optimizer. In place of
+    values, the words of why there are none: an implementation its class lacks (the whole
+    row), or a mode that refuses the workload (clipping, fp16 and a scheduler with the
+    optimizer in backward). ``progress`` hears of each run."""
+    spec = (model if isinstance(model, Workload) else BENCHMARK_MLP if model == "mlp" else
+            zoo_workload(model, batch_size=batch_size))
+    cls, kw = spec.optimizer if isinstance(spec, Workload) else FAMILIES["adam"]
+    table: dict[str, dict[str, Cell] | str] = {}
+    for impl, flags in _implementations(spec).items():  # one implementation's models at a time
+        if isinstance(flags, str):
+            table[impl] = flags
+            continue
+        row: dict[str, Cell] = {}
+        steps: dict[str, Callable[[], None]] = {}
+        with contextlib.ExitStack() as stack:
+            for mode in ("standard", *WHOLE_STEP_PAIRS[impl]):
+                strategy = impl if mode == "standard" else WHOLE_STEP_MODES[mode]
+                try:
+                    steps[mode] = _steady(stack, spec, (cls, {**kw, **flags}), strategy, device)
+                    row[mode] = []
+                except (ValueError, TypeError, RuntimeError) as e:
+                    row[mode] = workload_checks.refused_words(f"{type(e).__name__}: {e}")
+            if "standard" not in steps:  # nothing to divide by
+                table[impl] = row["standard"]
+                continue
             for run in range(runs):
                 progress(f"{impl}: run {run + 1} of {runs} ...")
-                standard, *others = interleaved(steps, rounds)
+                standard, *others = interleaved(list(steps.values()), rounds)
                 row["standard"].append(standard)
-                for mode, seconds in zip(modes, others):
+                for mode, seconds in zip(list(steps)[1:], others):
                     row[mode].append(seconds / standard)
         table[impl] = row
     return table
 
 
-def whole_step_ratios(model: str, rounds: int = 15) -> dict[str, float]:
+def whole_step_ratios(model: str, rounds: int = 15) -> dict[str, Any]:
     """``whole_step_<model>_<implementation>_<mode>``: each pair of the whole-step table, one
-    run (``whole_step``)."""
-    return {f"whole_step_{model}_{impl}_{mode}": ratios[0]
-            for impl, row in whole_step(model, rounds).items()
-            for mode, ratios in row.items() if mode != "standard"}
+    run (``whole_step``); a pair without values ``{"error": why}``, which fails its row."""
+    out: dict[str, Any] = {}
+    for impl, row in whole_step(model, rounds).items():
+        cells = row if isinstance(row, dict) else dict.fromkeys(WHOLE_STEP_PAIRS[impl], row)
+        for mode in WHOLE_STEP_PAIRS[impl]:
+            cell = cells[mode]
+            out[f"whole_step_{model}_{impl}_{mode}"] = (cell[0] if isinstance(cell, list) else
+                                                         {"error": cell})
+    return out
 
 
 def measure(run: Run) -> dict[str, Any]:

@@ -14,7 +14,9 @@ and a broken workload is told once, in one line, before anything is measured.
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import sys
 
 import pytest
@@ -208,7 +210,7 @@ def test_a_broken_workload_is_told_once_before_anything_is_measured(case):
     assert str(e.value) == message
 
 
-@pytest.mark.parametrize("command", ["record", "gate", "report"])
+@pytest.mark.parametrize("command", ["record", "gate", "report", "speed"])
 def test_the_command_line_says_it_in_one_line_with_exit_2(command, tmp_path, monkeypatch,
                                                           capsys):
     (tmp_path / "broken.py").write_text(
@@ -220,12 +222,56 @@ def test_the_command_line_says_it_in_one_line_with_exit_2(command, tmp_path, mon
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", list(sys.path))  # load() puts the project first
     argv = [command, "--workload", "broken:W", "--baseline", str(tmp_path / "b.json")]
-    if command == "report":
-        argv = [command, "--workload", "broken:W", "--out", str(tmp_path / "out")]
+    if command in ("report", "speed"):
+        argv = [command, "--workload", "broken:W", "--out" if command == "report" else "--json",
+                str(tmp_path / "out")]
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert out == ""
     assert err == (f"hookbench {command}: error: workload 'broken': loss(output, target) "
                    f"returned a tensor of shape (4,), not a scalar tensor (reduce it, e.g. with "
                    f".mean())\n")
-    assert not (tmp_path / "b.json").exists()
+    assert not (tmp_path / "b.json").exists() and not (tmp_path / "out").exists()
+
+
+# -- the whole-step table (hookbench speed) -----------------------------------------------------
+
+def test_speed_times_a_workload_with_its_own_optimizer_and_says_why_a_cell_is_empty(
+        tmp_path, monkeypatch, capsys):
+    # SignSGD has only its for-loop: the foreach and fused rows say so. Clipped, every mode of
+    # the optimizer in backward refuses in its own words, and the for-loop is still timed.
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "signs.py").write_text(
+        "from test_any_model import SIGN\n"
+        "CLIPPED = SIGN.replace(name='clipped', clip_grad_norm=1.0)\n")
+    for name in ("SIGN", "CLIPPED"):
+        target = tmp_path / f"{name}.json"
+        assert main(["speed", "--workload", f"signs:{name}", "--runs", "2", "--rounds", "1",
+                     "--json", str(target)]) == 0
+        out = capsys.readouterr().out
+        assert "(forward, backward, SignSGD step)" in out, out
+        table = json.loads(target.read_text())["table"]
+        lacks = (f"{SignSGD.__module__}.SignSGD takes no {{}} option (its for-loop is its only "
+                 f"implementation)")
+        assert table["foreach"] == lacks.format("foreach") and table["fused"] == lacks.format(
+            "fused")
+        forloop = table["forloop"]
+        assert len(forloop["standard"]) == 2 and all(s > 0 for s in forloop["standard"])
+        modes = [m for m in forloop if m != "standard"]
+        assert modes == ["per_parameter", "grouped", "bucketed"]
+        for mode in modes:
+            if name == "SIGN":
+                assert len(forloop[mode]) == 2 and all(r > 0 for r in forloop[mode]), forloop
+            else:
+                assert forloop[mode].startswith("ValueError: global gradient-norm clipping "
+                                                "needs the norm over every gradient"), forloop
+        assert re.search(r"for-loop +[\d.]+  " + (r"\d" if name == "SIGN" else r"refused \(1\)"),
+                         out), out
+        assert re.search(r"foreach +none \(\d\)", out), out
+
+
+def test_speed_on_a_workload_takes_no_batch_size(capsys):
+    assert main(["speed", "--workload", "transformer", "--batch-size", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hookbench speed: error: --batch-size is for zoo models; a workload has its "
+                   "own batch"]
