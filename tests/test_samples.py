@@ -1,0 +1,82 @@
+"""The sample outputs in README.md and docs/ against what their commands print now
+(``docs/samples.py``): rows and counts, timings aside. The check itself is shown to fail on a
+drifted sample and to pass a changed timing (default tier); running the commands is the slow
+tier's (about 5 minutes: the report, the gate, examples/charlm's gate and its fault, zero2, and
+the Adafactor speed table where the ``hf`` extra is installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location(
+    "samples", Path(__file__).resolve().parent.parent / "docs" / "samples.py")
+samples = importlib.util.module_from_spec(_spec)
+sys.modules["samples"] = samples  # dataclasses look their module up
+_spec.loader.exec_module(samples)
+
+OUTPUT = """hookbench gate: torch 2.14.1
+
+Hook contract
+  check          verdict
+  leaf_only      holds
+  fires_once     holds
+  ordered        holds (0.4 s)
+
+Peak memory
+  model/strategy  recorded  now
+  mlp/foreach     1.0 MB    1.0 MB
+! mlp/zero2       1.0 MB    2.0 MB
+
+5 of 6 checks hold; 1 FAILED (marked !)
+"""
+SAMPLE = samples.Sample(("gate",), sections=("Hook contract",), rows=1, last=True)
+
+
+def test_every_sample_is_shown_somewhere_and_every_marker_names_a_sample():
+    where = samples.markers()
+    assert set(where) == set(samples.SAMPLES), where
+    assert "README.md" in where["report"] and "README.md" in where["gate"]
+
+
+def test_a_sample_is_trimmed_to_its_sections_and_rows():
+    assert samples.trim(SAMPLE, OUTPUT) == (
+        "hookbench gate: torch 2.14.1\n\nHook contract\n  check          verdict\n"
+        "  leaf_only      holds\n  ...\n  ordered        holds (0.4 s)\n\n"
+        "5 of 6 checks hold; 1 FAILED (marked !)\n")
+    failed = samples.Sample(("gate",), rows=r"!")
+    assert "! mlp/zero2" in samples.trim(failed, OUTPUT)
+    assert "mlp/foreach" not in samples.trim(failed, OUTPUT)
+
+
+@pytest.mark.parametrize("change", [
+    ("5 of 6 checks hold", "6 of 7 checks hold"),  # a count
+    ("  fires_once     holds\n", ""),  # a row gone (rows=None keeps every row)
+    ("leaf_only      holds", "leaf_only      VIOLATED"),  # a verdict
+    ("  leaf_only", "  leaf_first"),  # a row renamed
+])
+def test_the_check_fails_on_a_drifted_sample(change):
+    every_row = samples.Sample(("gate",))
+    shown = samples.trim(every_row, OUTPUT).replace(*change)
+    assert samples.drift(shown, samples.trim(every_row, OUTPUT))
+
+
+def test_the_check_passes_a_changed_timing_or_checksum_and_rewrite_puts_the_sample_in_place():
+    now = samples.trim(SAMPLE, OUTPUT)
+    assert not samples.drift(now.replace("0.4 s", "12 s"), now)
+    doc = "intro\n<!-- sample: gate -->\n```\nold\n```\nafter\n"
+    assert samples.rewrite(doc, "gate", now) == (f"intro\n<!-- sample: gate -->\n```\n{now}```\n"
+                                                 f"after\n")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(samples.SAMPLES))
+def test_the_samples_print_what_the_commands_print_now(name):
+    sample = samples.SAMPLES[name]
+    if sample.needs and importlib.util.find_spec(sample.needs) is None:
+        pytest.skip(f"{sample.needs} is not installed (the sample's optional extra)")
+    drifted = samples.check(name, samples.trim(sample, samples.run(sample)))
+    assert not drifted, "\n".join(drifted)
