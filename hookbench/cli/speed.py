@@ -37,18 +37,58 @@ def _subject(args: argparse.Namespace) -> tuple[object, str, int, str]:
     return args.model, args.model, args.batch_size or 2, "Adam"
 
 
+# (label, ratio, floor) of step_time's targets
+_TARGETS = (("grouped in backward / foreach step (MLP)", "in_backward_grouped_vs_foreach",
+             "grouped_floor_vs_foreach"),
+            ("capture rms+mean_abs / plain (ResNet-18)", "capture_stats_vs_plain",
+             "capture_floor_vs_plain"))
+
+
+def _targets(args: argparse.Namespace, rounds: int) -> int:
+    if args.workload or args.batch_size is not None or args.device != "cpu":
+        raise ValueError("--targets times the benchmarks' MLP and ResNet-18 on the CPU; it "
+                         "takes no --workload, --batch-size or --device")
+    json_path = common.writable_file(args.json, "--json") if args.json else None
+    runs = []
+    for run in range(args.runs):
+        common.progress(f"run {run + 1} of {args.runs} ...")
+        runs.append({**step_time.grouped_targets(rounds), **step_time.capture_targets(rounds)})
+    print(f"The speed targets, timed interleaved as the gate times them: {args.runs} runs of "
+          f"{rounds} rounds, median (min-max); the floor: what the extra reads, writes and "
+          f"launches cost by themselves (gate.step_time), torch {torch.__version__}, CPU, "
+          f"{torch.get_num_threads()} threads")
+    print(f"  {'ratio':42} {'median (min-max)':19} {'target':13} {'floor':19} {'vs floor':>8}")
+    table = {}
+    for label, key, floor_key in _TARGETS:
+        values, floors = [r[key] for r in runs], [r[floor_key] for r in runs]
+        median, floor = statistics.median(values), statistics.median(floors)
+        target = step_time.TIME_TARGETS[key]
+        table[key], table[floor_key] = values, floors
+        print(f"  {label:42} {median:.2f}x ({min(values):.2f}-{max(values):.2f})  "
+              f"{target:.2f}x {'met' if median <= target else 'missed':6} "
+              f"{floor:.2f}x ({min(floors):.2f}-{max(floors):.2f})  {median / floor:7.2f}x")
+    if json_path:
+        json_path.write_text(json.dumps({"runs": args.runs, "rounds": rounds,
+                                         "environment": baselines.environment(),
+                                         "targets": table}, indent=1))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.targets:
+        return _targets(args, args.rounds or 15)
+    rounds = args.rounds or 3
     subject, name, batch, optimizer = _subject(args)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: CUDA is not available here")
     json_path = common.writable_file(args.json, "--json") if args.json else None
     print(f"Whole training step (forward, backward, {optimizer} step) of {name}, batch {batch}: the optimizer in "
           f"backward over the standard step of the same implementation, {args.runs} runs of "
-          f"{args.rounds} interleaved rounds (each run's fastest round); median (min-max) over "
+          f"{rounds} interleaved rounds (each run's fastest round); median (min-max) over "
           f"the runs, torch {torch.__version__}, " + (
               torch.cuda.get_device_name() if args.device == "cuda" else
               f"CPU, {torch.get_num_threads()} threads"))
-    table = step_time.whole_step(subject, rounds=args.rounds, runs=args.runs,
+    table = step_time.whole_step(subject, rounds=rounds, runs=args.runs,
                                  batch_size=batch, device=args.device,
                                  progress=common.progress)
     columns = list(dict.fromkeys(_MODE_NAMES[m] for modes in step_time.WHOLE_STEP_PAIRS.values()
@@ -78,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     if json_path:
         json_path.write_text(json.dumps({"model": name, "batch_size": batch,
                                          "device": args.device,
-                                         "runs": args.runs, "rounds": args.rounds,
+                                         "runs": args.runs, "rounds": rounds,
                                          "environment": baselines.environment(),
                                          "table": table}, indent=1))
     return 0

@@ -360,11 +360,12 @@ def _read_all(stats: Iterable[_Stats]) -> None:
         if st.pending is None:  # nothing computed on the device
             st._fill([])
         else:
-            by_device.setdefault(st.pending.device, []).append(st)
+            by_device.setdefault(st.pending[0].device, []).append(st)
     for group in by_device.values():
-        raw, start = torch.cat([st.pending for st in group]).tolist(), 0
+        # one stack of every record's 0-d sums, not one per record in the hook
+        raw, start = torch.stack([t for st in group for t in st.pending]).tolist(), 0
         for st in group:
-            end = start + st.pending.numel()
+            end = start + len(st.pending)
             st._fill(raw[start:end])
             start = end
 
@@ -409,16 +410,16 @@ def _views(shape: torch.Size) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return v
 
 
-def _sums(x: torch.Tensor, plan: _Plan) -> tuple[torch.Tensor, int]:
-    """Float64 partial results on x's device, as one 1-d tensor laid out for ``_finish``, and
-    the number of chunks. x is not empty."""
+def _sums(x: torch.Tensor, plan: _Plan) -> tuple[list[torch.Tensor], int]:
+    """Float64 partial results on x's device, 0-d tensors in the order ``_finish`` reads them,
+    and the number of chunks. x is not empty."""
     parts: list[torch.Tensor] = []
     chunks = _moments(x, plan, parts) if plan.std or plan.mean or plan.l2 or plan.mean_abs else 0
     if plan.extremes:
         # exact in the output's own dtype (aminmax has no bool kernel: bool viewed as uint8)
         lo, hi = torch.aminmax(x.view(torch.uint8) if x.dtype == torch.bool else x)
         parts += [lo.double(), hi.double()]
-    return torch.stack(parts), chunks
+    return parts, chunks
 
 
 def _moments(x: torch.Tensor, plan: _Plan, parts: list[torch.Tensor]) -> int:

@@ -238,11 +238,40 @@ def test_speed_prints_the_whole_step_table_and_writes_it(capsys, tmp_path):
                for v in row.values())
 
 
+def test_speed_targets_prints_each_ratio_beside_its_floor(capsys, tmp_path):
+    target = tmp_path / "targets.json"
+    assert main(["speed", "--targets", "--runs", "2", "--rounds", "1", "--json",
+                 str(target)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "2 runs of 1 rounds" in lines[0]
+    assert [line.split(" / ")[0].strip() for line in lines[2:]] == [
+        "grouped in backward", "capture rms+mean_abs"]
+    assert all(re.search(r"1\.(10|25)x (met|missed) +[\d.]+x \(", line) for line in lines[2:])
+    table = json.loads(target.read_text())["targets"]
+    assert set(table) == {"in_backward_grouped_vs_foreach", "grouped_floor_vs_foreach",
+                          "capture_stats_vs_plain", "capture_floor_vs_plain"}
+    assert all(len(v) == 2 and all(r > 0 for r in v) for v in table.values())
+
+
+def test_the_grouped_floor_steps_as_the_foreach_step_does():
+    # The floor is the real arithmetic, cut per module: after one step, bit for bit the
+    # standard foreach step's parameters (foreach Adam is elementwise per tensor).
+    from hookbench.gate import step_time
+    from hookbench.measure.parity import FAMILIES, training
+
+    cls, kw = FAMILIES["adam"]
+    model, _ = step_time._per_module_foreach(step_time.BENCHMARK_MLP, (cls, kw))
+    with training(step_time.BENCHMARK_MLP, cls, {**kw, "foreach": True}, "foreach") as t:
+        t.step(1)
+        assert all(torch.equal(a, b) for a, b in zip(model.parameters(), t.model.parameters()))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--runs", "0"], "--runs must be >= 1"),
     (["--json", "."], "--json .: is a folder, not a file"),
     (["--batch-size", "4"], "--batch-size is for zoo models"),
     (["--device", "cuda"], "--device cuda: CUDA is not available here"),
+    (["--targets", "--workload", "transformer"], "--targets times the benchmarks' MLP"),
 ])
 def test_speed_bad_input_is_one_line_and_exit_2(capsys, monkeypatch, argv, message):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU runner
