@@ -54,8 +54,8 @@ def run(args: argparse.Namespace) -> int:
         return _print(workloads, stopped, runs, args.fault, world, got, errors)
 
     if launch.torchrun_world():
-        return launch.on_torchrun(references.ranks, (cases,), common.what_runs(workloads, args.fault),
-                                  args.timeout, verdict)
+        return launch.on_torchrun(references.ranks, (cases,),
+                                  common.what_runs(workloads, args.fault), args.timeout, verdict)
     common.progress(f"spawning {world} gloo ranks (run under torchrun to use its ranks) ...")
     return verdict(launch.run(references.ranks, world, cases, timeout=args.timeout), [])
 

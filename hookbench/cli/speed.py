@@ -82,10 +82,10 @@ def run(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: CUDA is not available here")
     json_path = common.writable_file(args.json, "--json") if args.json else None
-    print(f"Whole training step (forward, backward, {optimizer} step) of {name}, batch {batch}: the optimizer in "
-          f"backward over the standard step of the same implementation, {args.runs} runs of "
-          f"{rounds} interleaved rounds (each run's fastest round); median (min-max) over "
-          f"the runs, torch {torch.__version__}, " + (
+    print(f"Whole training step (forward, backward, {optimizer} step) of {name}, batch "
+          f"{batch}: the optimizer in backward over the standard step of the same "
+          f"implementation, {args.runs} runs of {rounds} interleaved rounds (each run's "
+          f"fastest round); median (min-max) over the runs, torch {torch.__version__}, " + (
               torch.cuda.get_device_name() if args.device == "cuda" else
               f"CPU, {torch.get_num_threads()} threads"))
     table = step_time.whole_step(subject, rounds=rounds, runs=args.runs,

@@ -219,13 +219,11 @@ def on_torchrun(fn: Callable[..., Any], args: tuple, what: dict[str, Any], timeo
             mine = ("error", f"rank {rank}: {type(e).__name__}: {e}")
         got: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(mine, got, dst=0)
-        code = [1]  # what the others exit with where rank 0's verdict itself raises
+        code = [1]  # rank 0's, where its verdict itself raises; the others receive rank 0's
         try:
             if got is not None:
                 code = [verdict([value if kind == "result" else None for kind, value in got],
                                 [value for kind, value in got if kind == "error"])]
-            else:
-                code = [0]
         finally:
             dist.broadcast_object_list(code, src=0)  # every rank exits with rank 0's verdict
         return code[0]

@@ -208,43 +208,44 @@ def _per_module_foreach(spec: TinySpec, optimizer: tuple[type, dict[str, Any]]
 # themselves, in the same rotation. `hookbench speed --targets` prints them; the gate gates the
 # ratios, not the floors.
 
-def grouped_targets(rounds: int = 15) -> dict[str, float]:
+def grouped_targets(rounds: int = 15, floor: bool = True) -> dict[str, float]:
     """On the benchmarks' MLP: the grouped and bucketed optimizer in backward over the foreach
-    step, and the floor, one foreach step per module after backward (``_per_module_foreach``)."""
-    _, floor = _per_module_foreach(BENCHMARK_MLP, FAMILIES["adam"])
+    step, and (``floor``) the floor, one foreach step per module after backward
+    (``_per_module_foreach``)."""
+    extra = [_per_module_foreach(BENCHMARK_MLP, FAMILIES["adam"])[1]] if floor else []
     with steady_steps(BENCHMARK_MLP, {}, ("foreach", "in_backward_grouped_foreach",
                                             "in_backward_bucketed")) as steps:
-        foreach_s, grouped_s, bucketed_s, floor_s = interleaved([*steps, floor], rounds)
+        foreach_s, grouped_s, bucketed_s, *floor_s = interleaved([*steps, *extra], rounds)
     return {"in_backward_grouped_vs_foreach": grouped_s / foreach_s,
             "in_backward_bucketed_vs_foreach": bucketed_s / foreach_s,
-            "grouped_floor_vs_foreach": floor_s / foreach_s}
+            **({"grouped_floor_vs_foreach": floor_s[0] / foreach_s} if floor else {})}
 
 
-def capture_targets(rounds: int = 15) -> dict[str, float]:
-    """rms and mean_abs of every ResNet-18 module's output over the plain forward, and the
-    floor, the float64 passes alone (``_float64_floor``). Three copies of the model: hooks on
-    one must not slow the others' forwards down."""
+def capture_targets(rounds: int = 15, floor: bool = True) -> dict[str, float]:
+    """rms and mean_abs of every ResNet-18 module's output over the plain forward, and
+    (``floor``) the floor, the float64 passes alone (``_float64_floor``). A copy of the model
+    each: hooks on one must not slow the others' forwards down."""
     spec = zoo_workload("resnet18")
-    captured, plain, floored = (spec.build().eval() for _ in range(3))
-    x = spec.data(0)[0]
-    remove = _float64_floor(floored)
+    captured, plain, x = spec.build().eval(), spec.build().eval(), spec.data(0)[0]
+    floored = [spec.build().eval()] if floor else []
+    removes = [_float64_floor(m) for m in floored]
     try:
         with torch.no_grad(), ActivationCapture(captured, stats=("rms", "mean_abs")) as cap:
-            plain_s, captured_s, floor_s = interleaved([
+            plain_s, captured_s, *floor_s = interleaved([
                 lambda: plain(x), lambda: (cap.clear(), captured(x), cap.table()),
-                lambda: floored(x)], rounds)
+                *(functools.partial(m, x) for m in floored)], rounds)
     finally:
-        remove()
+        for remove in removes:
+            remove()
     return {"capture_stats_vs_plain": captured_s / plain_s,
-            "capture_floor_vs_plain": floor_s / plain_s}
+            **({"capture_floor_vs_plain": floor_s[0] / plain_s} if floor else {})}
 
 
 def measure(run: Run) -> dict[str, Any]:
     # The benchmarks' workloads (tests/mechanisms/: test_optimizer_in_backward.py and
     # test_activation_capture.py)
-    out: dict[str, Any] = grouped_targets()
-    del out["grouped_floor_vs_foreach"]
-    value = attempt(capture_targets)  # ResNet-18 needs torchvision
+    out: dict[str, Any] = grouped_targets(floor=False)  # the floors are not gated
+    value = attempt(lambda: capture_targets(floor=False))  # ResNet-18 needs torchvision
     out["capture_stats_vs_plain"] = value.get("capture_stats_vs_plain", value)  # or what stopped it
     out.update(whole_step_ratios(GATED_WHOLE_STEP_MODEL, rounds=5))
     return out
