@@ -219,6 +219,25 @@ def test_each_section_is_one_module_of_the_registry(monkeypatch):
     assert not verdict and cells == ("extra", "FAILED: ZeroDivisionError: division by zero")
 
 
+def test_selfcheck_runs_only_the_faults_the_chosen_sections_target(monkeypatch):
+    # A section that catches its one fault: selfcheck on it alone runs the clean gate and that
+    # fault, not the 24 others (which no chosen section targets, so would read as MISSED).
+    def judge(base, now, run):
+        section = checks.Section("extra", ("row", "verdict"))
+        section.add(now == {"fault": None}, "row", str(now))
+        return section
+
+    extra = types.SimpleNamespace(measure=lambda run: {"fault": run.fault}, judge=judge,
+                                  FAULTS=("fires_twice",))
+    monkeypatch.setitem(gate.REGISTRY, "extra", extra)
+    base = gate.measure_all(("extra",))
+    assert gate.selfcheck(base, ("extra",)) == {None: {}, "fires_twice": {"extra": ["row"]}}
+    # A section that every fault reaches (FAULTS None) brings the whole catalogue back.
+    monkeypatch.setattr(extra, "FAULTS", None)
+    caught = gate.selfcheck(base, ("extra",))
+    assert list(caught) == [None, *FAULTS] and all(caught[f] for f in FAULTS)
+
+
 def test_a_tracker_that_misses_allocations_fails_on_the_drop(base):
     with inject("tracker_misses_allocations"):
         now = memory.measure(Run(models=("transformer",)))
