@@ -29,13 +29,15 @@ import importlib
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
+from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import of
 from hookbench.engines.loop import train
 from hookbench.measure.zero2_runs import local_batch, rank_device
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 
-__all__ = ["SETTINGS", "api", "cannot_run_here", "hook_problems", "peer_trajectory",
+__all__ = ["SETTINGS", "api", "cannot_train_on_cpu", "hook_problems", "peer_trajectory",
            "remove_hooks", "shard", "trajectory", "units"]
 
 SETTINGS = {"zero2": {"reshard_after_forward": False, "in_backward": False},
@@ -52,32 +54,41 @@ def api() -> Any:
     raise ImportError("this torch has no FSDP2 (fully_shard)")
 
 
-def cannot_run_here() -> str | None:
-    """Why this torch's FSDP2 cannot train on this machine's ranks, or None. Torch 2.4's FSDP2
-    creates ``torch.cuda.Stream``s whatever the device, so it cannot run on CPU ranks; later
-    releases (2.8.0 here) take the device's own (``_get_device_handle``; pytorch#138687 and
-    #139539). Found by building the shared
-    communication context as ``fully_shard`` would, in this process, before any rank starts."""
-    if torch.cuda.is_available():
-        return None
-    for name in ("torch.distributed.fsdp._fully_shard._fsdp_param_group",
-                 "torch.distributed._composable.fsdp._fsdp_param_group"):
-        try:
-            context = importlib.import_module(name).FSDPCommContext()
-        except (ImportError, AttributeError):
-            continue
-        try:
-            if hasattr(context, "lazy_init"):
-                context.lazy_init(torch.device("cpu"))
-            else:
-                context.init()
-        except Exception as e:  # whatever the streams raise: said in words, never a rank's crash
-            return (f"this torch's FSDP2 cannot run on CPU ranks: its communication context "
-                    f"({name}.FSDPCommContext) needs CUDA streams "
-                    f"({type(e).__name__}: {str(e).splitlines()[0]}); later releases take the "
-                    f"device's own streams (pytorch#139539): upgrade, or run on GPUs")
-        return None
-    return "this torch has no FSDP2 communication context where hookbench knows to look"
+def cannot_train_on_cpu() -> str | None:
+    """Why this torch's FSDP2 cannot train on CPU ranks, or None; found by training: one Adam
+    step of a two-unit MLP sharded over a fake process group of 2 in this process (about 1 s
+    the first time, 5 ms after; not cached, so that a fault injected in this process is never
+    remembered after it). What a release lacks shows as the exception it raises, named in the
+    words, before any rank starts. Seen: 2.4.1 and 2.5.1 make CUDA streams whatever the device
+    ("FSDP requires CUDA for streams"); 2.6.0 takes the device's (pytorch#136843), but
+    ``torch.cpu.Stream`` has no ``record_event`` for the all-gather until 2.7 (pytorch#145935);
+    2.7.1 on train (docs/releases.md, engines)."""
+    if dist.is_initialized():
+        raise ValueError("fsdp2.cannot_train_on_cpu trains on a fake process group of its own; "
+                         "call it outside torch.distributed")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:  # torch-private: it may move between releases, and then nothing can be said of FSDP2
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:
+        return (f"FSDP2 could not be tried on CPU ranks: the fake process group it is tried on "
+                f"does not import ({one_line(e)})")
+    try:
+        with torch.random.fork_rng(), contextlib.ExitStack() as stack:
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+            stack.callback(dist.destroy_process_group)
+            model = torch.nn.Sequential(
+                torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), torch.nn.Linear(4, 2))
+            shard(model, init_device_mesh("cpu", (2,)), True, None)
+            stack.callback(remove_hooks, model)
+            optimizer = torch.optim.Adam(model.parameters())
+            model(torch.ones(2, 4)).sum().backward()
+            optimizer.step()
+    except Exception as e:  # noqa: BLE001 - whatever stops it: said in words, never a rank's crash
+        return (f"this torch's FSDP2 cannot train on CPU ranks: one step of a two-layer MLP "
+                f"sharded over 2 ranks raised {one_line(e)} (torch 2.7.1 and later train on "
+                f"CPU ranks)")
+    return None
 
 
 def units(model: torch.nn.Module) -> list[torch.nn.Module]:

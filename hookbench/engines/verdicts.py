@@ -47,7 +47,7 @@ from hookbench.measure import zero2_runs
 from hookbench.measure.parity import Tolerance, compare
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
-__all__ = ["ENGINES", "PEERS", "cases", "judge", "missing", "not_applicable"]
+__all__ = ["ENGINES", "PEERS", "cannot_run", "cases", "judge", "missing", "not_applicable"]
 
 ENGINES = ("ddp", "fsdp2_zero2", "fsdp2_zero3", "fsdp2_in_backward")
 # Why DeepSpeed's sums are not DDP's (``hookbench.engines.deepspeed``)
@@ -89,10 +89,9 @@ def not_applicable(workload: Workload, steps: int, world: int,
     uneven = functools.cache(lambda: _uneven_gradients(workload, steps, world))  # trains: once
     why: dict[str, str | None] = {}
     if any(e.startswith("fsdp2") for e in engines):
-        common = (fsdp2.cannot_run_here()
-                  or (f"FSDP2 steps each rank's DTensor shard of every parameter; "
-                      f"{cls.__name__} is not known to update parameters elementwise (nor to "
-                      f"step DTensors)" if cls not in ELEMENTWISE else None)
+        common = ((f"FSDP2 steps each rank's DTensor shard of every parameter; "
+                   f"{cls.__name__} is not known to update parameters elementwise (nor to "
+                   f"step DTensors)" if cls not in ELEMENTWISE else None)
                   or ("hookbench's FSDP2 rows train eager models (a compiled one is not "
                       "sharded here)" if workload.compile is not None else None)
                   or uneven())
@@ -106,6 +105,18 @@ def not_applicable(workload: Workload, steps: int, world: int,
                 else None)
             or (uneven() or "").replace("FSDP2 reduce-scatters", "DeepSpeed reduces"))
     return {e: w for e, w in why.items() if w}
+
+
+def cannot_run(engines: tuple[str, ...]) -> dict[str, str]:
+    """Engine -> why this torch cannot run it on this machine's ranks, whatever the workload:
+    the FSDP2 engines on CPU ranks (no CUDA) where ``fsdp2.cannot_train_on_cpu`` finds FSDP2
+    cannot train (torch 2.4.1 to 2.6.0). Their rows fail with these words, naming the
+    exception: a check that could not run is never a pass, and the other engines' rows still
+    run."""
+    if torch.cuda.is_available() or not any(e.startswith("fsdp2") for e in engines):
+        return {}
+    why = fsdp2.cannot_train_on_cpu()
+    return {e: why for e in engines if why and e.startswith("fsdp2")}
 
 
 def missing(engines: tuple[str, ...]) -> dict[str, str]:

@@ -285,10 +285,12 @@ def engine_runs(workloads: list[Workload], fault: str | None, world: int = ZERO2
                 engines: tuple[str, ...] = verdicts.ENGINES
                 ) -> tuple[dict[str, dict[str, dict[str, str]]], list[list[dict[str, Any]]]]:
     """Per workload, the rows of the ``engines`` that do not run on it: ``{"not_applicable":
-    why}`` (``verdicts.not_applicable`` on ``world`` ranks) or ``{"skipped": why}`` (a missing
-    optional prerequisite); and the runs of the others for ``references.ranks``."""
-    missing = verdicts.missing(engines)
-    stopped = {w.name: {**{e: {"not_applicable": why} for e, why in
+    why}`` (``verdicts.not_applicable`` on ``world`` ranks), ``{"error": why}`` (this torch
+    cannot run the engine here, ``verdicts.cannot_run``: the row fails) or ``{"skipped": why}``
+    (a missing optional prerequisite); and the runs of the others for ``references.ranks``."""
+    missing, broken = verdicts.missing(engines), verdicts.cannot_run(engines)
+    stopped = {w.name: {**{e: {"error": why} for e, why in broken.items()},
+                        **{e: {"not_applicable": why} for e, why in
                            verdicts.not_applicable(w, STEPS, world, engines).items()},
                         **{e: {"skipped": why} for e, why in missing.items()}}
                for w in workloads}
@@ -434,15 +436,20 @@ def engine_memory(workload: Workload) -> dict[str, dict[str, Any]]:
     """``name/memory/fsdp2_<setting>``: rank 0 of ``engines.memory.WORLD``'s peak under FSDP2
     on fake tensors, against its bound (``hookbench.engines.memory``); the optimizer in backward
     also never above FSDP2 ZeRO-3 with a standard step, and below it when backward has
-    ended. Where FSDP2 does not apply (``verdicts.not_applicable``), so says the
-    row; where the optimizer in backward refuses, its trajectory row says so and there is none."""
-    skipped = verdicts.not_applicable(workload, STEPS, ZERO2_RANKS)
+    ended. Where FSDP2 does not apply (``verdicts.not_applicable``), so says the row; where
+    this torch's FSDP2 cannot train on the CPU (``fsdp2.cannot_train_on_cpu``; the simulated
+    rank is the CPU, GPUs or not), the row fails saying why; where the optimizer in backward
+    refuses, its trajectory row says so and there is none."""
+    on_cpu = fsdp2.cannot_train_on_cpu()
+    stopped = {**{f"fsdp2_{s}": {"error": on_cpu} for s in fsdp2.SETTINGS if on_cpu},
+               **{e: {"not_applicable": why} for e, why in
+                  verdicts.not_applicable(workload, STEPS, ZERO2_RANKS).items()}}
     eager = workload.replace(compile=None)
     out: dict[str, dict[str, Any]] = {}
     for setting in fsdp2.SETTINGS:
         key = f"{workload.name}/memory/fsdp2_{setting}"
-        if f"fsdp2_{setting}" in skipped:
-            out[key] = {"not_applicable": skipped[f"fsdp2_{setting}"]}
+        if f"fsdp2_{setting}" in stopped:
+            out[key] = stopped[f"fsdp2_{setting}"]
             continue
         if setting == "in_backward" and refusal(workload, "in_backward"):
             continue

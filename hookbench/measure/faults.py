@@ -144,7 +144,7 @@ def _low_precision(original: Callable) -> Callable:
 
 
 def _sums_whatever_op(original: Callable) -> Callable:
-    # gloo's reduce_scatter before torch 2.11 (pytorch#162338): every op is summed, so AVG,
+    # gloo's reduce_scatter before torch 2.9 (pytorch#162338): every op is summed, so AVG,
     # MAX, MIN and PRODUCT silently become SUM.
     def reduce_scatter(output, input, op=None, *args, **kwargs):
         return original(output, input, torch.distributed.ReduceOp.SUM, *args, **kwargs)

@@ -18,6 +18,7 @@ from hookbench import Workload
 from hookbench.core import launch
 from hookbench.engines import ddp, deepspeed, fsdp2, references, verdicts
 from hookbench.gate import workload_checks
+from hookbench.measure.faults import inject
 
 pytestmark = pytest.mark.distributed
 
@@ -167,23 +168,64 @@ def test_units_are_the_repeated_blocks_and_tied_parameters_stay_with_their_paren
     assert fsdp2.units(model) == []
 
 
-def test_fsdp2_says_in_words_where_this_torch_cannot_run_it_on_cpu_ranks(monkeypatch):
-    # torch 2.4's FSDP2 makes CUDA streams whatever the device (docs/releases.md); 2.8.0 on
-    # takes the device's own, so it runs here
+def test_fsdp2_trains_on_cpu_ranks_of_this_torch():
+    # 2.4.1 and 2.5.1 make CUDA streams whatever the device, 2.6.0's CPU stream has no
+    # record_event (docs/releases.md); 2.7.1 on train on CPU ranks, so the probe must find nothing
     release = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
-    if torch.cuda.is_available() or release >= (2, 8):
-        assert fsdp2.cannot_run_here() is None
-    if torch.cuda.is_available() or release < (2, 8):
-        return
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    if release >= (2, 7):
+        assert fsdp2.cannot_train_on_cpu() is None
+    else:
+        assert fsdp2.cannot_train_on_cpu().startswith("this torch's FSDP2 cannot train on CPU")
 
-    def needs_cuda(self, device):
-        raise RuntimeError("CUDA error: no CUDA GPUs are available")
 
-    monkeypatch.setattr(_fsdp_param_group.FSDPCommContext, "lazy_init", needs_cuda)
-    why = fsdp2.cannot_run_here()
-    assert why.startswith("this torch's FSDP2 cannot run on CPU ranks") and "CUDA streams" in why
-    assert verdicts.not_applicable(WORKLOAD, 3, 2) == dict.fromkeys(verdicts.ENGINES[1:], why)
+@pytest.mark.parametrize("lacks", ["record_event", "streams"])
+def test_where_fsdp2_cannot_train_on_cpu_ranks_its_rows_fail_saying_why_and_ddp_still_runs(
+        monkeypatch, lacks):
+    # the two ways releases before 2.7 fail, made here: 2.6.0's CPU stream without record_event;
+    # 2.4.1's and 2.5.1's CUDA streams whatever the device
+    if lacks == "record_event":
+        monkeypatch.delattr(torch.cpu.Stream, "record_event")
+        named = "AttributeError: 'Stream' object has no attribute 'record_event'"
+    else:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+        def needs_cuda(self, device):
+            raise RuntimeError("FSDP requires CUDA for streams")
+
+        monkeypatch.setattr(_fsdp_param_group.FSDPCommContext, "lazy_init", needs_cuda)
+        named = "RuntimeError: FSDP requires CUDA for streams"
+    why = fsdp2.cannot_train_on_cpu()
+    assert why.startswith("this torch's FSDP2 cannot train on CPU ranks") and named in why
+    # the memory rows simulate rank 0 on the CPU, GPUs or not: they fail saying why
+    fsdp_engines = [e for e in verdicts.ENGINES if e.startswith("fsdp2")]
+    memory = workload_checks.engine_memory(WORKLOAD)
+    assert memory == {f"blocks/memory/{e}": {"error": why} for e in fsdp_engines}
+    # the engines' ranks are CPU ranks where there is no CUDA (as made here)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert verdicts.cannot_run(verdicts.ENGINES) == dict.fromkeys(fsdp_engines, why)
+    assert verdicts.not_applicable(WORKLOAD, 3, 2) == {}  # a fact of this torch, not the workload
+    # per row: the FSDP2 rows fail saying why (never a pass), DDP is still the one run the ranks get
+    stopped, runs = workload_checks.engine_runs([WORKLOAD], None)
+    assert stopped["blocks"] == {e: {"error": why} for e in fsdp_engines}
+    assert [case["engine"] for case in runs[0]] == ["ddp"]
+    # where the workload rules FSDP2 out anyway, that is what its rows say
+    adafactor = getattr(torch.optim, "Adafactor", torch.optim.LBFGS)
+    stopped, _ = workload_checks.engine_runs([WORKLOAD.replace(optimizer=(adafactor, {}))], None)
+    assert all("not_applicable" in stopped["blocks"][e] for e in fsdp_engines)
+
+
+def test_where_fsdp2_cannot_be_tried_its_rows_fail_naming_why_and_nothing_is_remembered(
+        monkeypatch):
+    # the fake process group the probe trains on is torch-private: gone, the rows say so
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with inject("private_module_missing"):
+        why = fsdp2.cannot_train_on_cpu()
+        assert why.startswith("FSDP2 could not be tried on CPU ranks") and (
+            "ModuleNotFoundError" in why and "fake_pg" in why)
+        stopped, runs = workload_checks.engine_runs([WORKLOAD], None)
+        assert stopped["blocks"]["fsdp2_zero3"] == {"error": why}
+        assert [case["engine"] for case in runs[0]] == ["ddp"]
+    assert fsdp2.cannot_train_on_cpu() is None or torch.__version__ < (2, 7)  # not cached
 
 
 def _accumulate_on_shards(rank: int, world: int) -> str | None:

@@ -14,11 +14,11 @@ from hookbench.gate import baselines, collectives
 
 BASELINE = Path(__file__).resolve().parents[2] / "baselines" / "gate.json"
 NOT_SUM = ("AVG", "MAX", "MIN", "PRODUCT")
-# gloo's reduce_scatter summed whatever op it was given until torch 2.11 (pytorch#162338; seen
-# on 2.4.1 and 2.8.0, fixed on 2.11.0), and gloo had no AVG before 2.8 (pytorch#149781; seen
-# on 2.4.1). The matrix pins both; a new wrong pair, or a fixed one, fails this test.
+# gloo's reduce_scatter summed whatever op it was given until torch 2.9 (pytorch#162338; seen
+# on 2.4.1 to 2.8.0, right on 2.9.1 on), and gloo had no AVG before 2.8 (pytorch#149781; seen
+# on 2.4.1 to 2.7.1). The matrix pins both; a new wrong pair, or a fixed one, fails this test.
 KNOWN_WRONG = ({f"{w} ranks/reduce_scatter_tensor/{op}" for w in collectives.WORLDS
-                for op in NOT_SUM} if torch.__version__ < (2, 11) else set())
+                for op in NOT_SUM} if torch.__version__ < (2, 9) else set())
 KNOWN_UNSUPPORTED = ({f"{w} ranks/{c}/AVG" for w in collectives.WORLDS
                       for c in ("all_reduce", "reduce")} if torch.__version__ < (2, 8) else set())
 
