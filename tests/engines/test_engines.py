@@ -171,13 +171,15 @@ def test_units_are_the_repeated_blocks_and_tied_parameters_stay_with_their_paren
 def test_fsdp2_trains_on_cpu_ranks_of_this_torch():
     # 2.4.1 and 2.5.1 make CUDA streams whatever the device, 2.6.0's CPU stream has no
     # record_event (docs/releases.md); 2.7.1 on train on CPU ranks, so the probe must find nothing
-    release = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
-    if release >= (2, 7):
+    if torch.__version__ >= (2, 7):
         assert fsdp2.cannot_train_on_cpu() is None
     else:
         assert fsdp2.cannot_train_on_cpu().startswith("this torch's FSDP2 cannot train on CPU")
 
 
+@pytest.mark.skipif(torch.__version__ < (2, 7), reason=f"the faults are made on a torch whose "
+                    f"FSDP2 trains on CPU ranks (2.7.1 on); {torch.__version__}'s own failure is "
+                    f"test_fsdp2_trains_on_cpu_ranks_of_this_torch's")
 @pytest.mark.parametrize("lacks", ["record_event", "streams"])
 def test_where_fsdp2_cannot_train_on_cpu_ranks_its_rows_fail_saying_why_and_ddp_still_runs(
         monkeypatch, lacks):
