@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import statistics
 from typing import Any, Callable, Iterator
 
 import torch
@@ -244,7 +245,12 @@ def capture_targets(rounds: int = 15, floor: bool = True) -> dict[str, float]:
 def measure(run: Run) -> dict[str, Any]:
     # The benchmarks' workloads (tests/mechanisms/: test_optimizer_in_backward.py and
     # test_activation_capture.py)
-    out: dict[str, Any] = grouped_targets(floor=False)  # the floors are not gated
+    # The grouped step's ratio spreads widely from one interleaved measurement to the next on 2
+    # cores (seen on an AMD EPYC, same process and torch: 1.04x to 1.77x, against 1.17x recorded
+    # on a Xeon; 1.77x failed a CI run at the 50% slack): the median of three, so that one
+    # disturbed measurement neither fails the gate nor sets the baseline (~10 s more).
+    runs = [grouped_targets(floor=False) for _ in range(3)]  # the floors are not gated
+    out: dict[str, Any] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     value = attempt(lambda: capture_targets(floor=False))  # ResNet-18 needs torchvision
     out["capture_stats_vs_plain"] = value.get("capture_stats_vs_plain", value)  # or what stopped it
     out.update(whole_step_ratios(GATED_WHOLE_STEP_MODEL, rounds=5))
