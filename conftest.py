@@ -42,6 +42,7 @@ import torch
 from hypothesis import HealthCheck, Phase, settings
 
 from hookbench.core.leak_guard import HookLeakGuard, HookTracker
+from hookbench.core.workload import seeded_rngs
 from hookbench.gate.step_time import WHOLE_STEP_PAIRS
 
 # The plugin is an entry point where hookbench is installed; a plain checkout (another torch
@@ -200,15 +201,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @contextlib.contextmanager
 def _seeded() -> Iterator[None]:
-    """The block from seed 0 (torch's and Python's), the global RNGs as they were after it."""
-    torch_state, py_state = torch.random.get_rng_state(), random.getstate()
-    torch.manual_seed(0)
-    random.seed(0)
-    try:
+    """The block from seed 0 (torch's, numpy's and Python's global RNGs), each as it was after
+    it (``hookbench.core.workload.seeded_rngs``)."""
+    with seeded_rngs(0):
         yield
-    finally:
-        torch.random.set_rng_state(torch_state)
-        random.setstate(py_state)
 
 
 @pytest.fixture(autouse=True)

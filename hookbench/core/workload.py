@@ -51,10 +51,11 @@ Options (one field each):
                    ``hookbench.mechanisms.activation_offload.ActivationOffload`` (saved activations in
                    host memory until backward; "bf16"/"int8": compressed)
     seed           the model's initialisation, the data, and the random numbers the forward
-                   draws (dropout): every forward of batch ``i`` (a ZeRO-2 rank's: of its share
-                   ``r``) runs on the global RNG seeded from (seed, i, r) and restored after
-                   it, so every strategy draws the same masks and a ZeRO-2 rank draws the ones
-                   the single-process reference draws for that share
+                   draws (dropout, masks): every forward of batch ``i`` (a ZeRO-2 rank's: of
+                   its share ``r``) runs on the global RNGs (torch's, numpy's and Python's
+                   ``random``) seeded from (seed, i, r) and restored after it, so every
+                   strategy draws the same masks and a ZeRO-2 rank draws the ones the
+                   single-process reference draws for that share
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import random
 import re
 import sys
 from dataclasses import dataclass
@@ -74,11 +76,16 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+try:  # not a dependency of torch's: where it is absent, no model can draw from it
+    import numpy as np
+except ImportError:  # pragma: no cover
+    np = None
+
 from hookbench.core.prerequisites import one_line
 from hookbench.mechanisms.activation_offload import ActivationOffload
 
 __all__ = ["CHECKPOINTING", "OFFLOAD", "PRECISIONS", "Workload", "checkpointed", "configured",
-           "load", "of", "to_device"]
+           "load", "of", "seeded_rngs", "to_device"]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 CHECKPOINTING = ("none", "blocks", "repeated")
@@ -157,12 +164,8 @@ class Workload:
     def build(self) -> nn.Module:
         """A new model, the same on every call: built from ``seed`` with the global RNG left
         as it was, with activation checkpointing and compilation applied."""
-        state = torch.random.get_rng_state()
-        torch.manual_seed(self.seed)
-        try:
+        with seeded_rngs(self.seed):
             model = self.model()
-        finally:
-            torch.random.set_rng_state(state)
         if not isinstance(model, nn.Module):
             raise TypeError(f"Workload {self.name!r}: model() must return an nn.Module, got "
                             f"{type(model).__name__}")
@@ -183,7 +186,8 @@ class Workload:
     def data(self, index: int) -> tuple[Any, torch.Tensor]:
         """The ``index``-th (inputs, target), the same on every call."""
         g = torch.Generator().manual_seed(self.seed * 100_003 + index)
-        got = self.batch(g)
+        with seeded_rngs(self.seed * 100_003 + index):  # a batch function that draws globally
+            got = self.batch(g)
         if not (isinstance(got, tuple) and len(got) == 2):
             raise TypeError(f"Workload {self.name!r}: batch(generator) must return "
                             f"(inputs, target), got {type(got).__name__}")
@@ -263,17 +267,11 @@ class Workload:
     @contextlib.contextmanager
     def forward_rng(self, index: int, share: int = 0,
                     device: str | torch.device = "cpu") -> Iterator[None]:
-        """The global RNG (CPU, and ``device``'s if CUDA) seeded from (seed, index, share),
-        restored on exit: what the forward of batch ``index``'s ``share`` draws from."""
-        device = torch.device(device)
-        cuda = [device] if device.type == "cuda" else []
+        """Every global RNG a forward draws from (``seeded_rngs``: torch's CPU generator and
+        ``device``'s if CUDA, numpy's and Python's) seeded from (seed, index, share), restored
+        on exit: what the forward of batch ``index``'s ``share`` draws from."""
         digest = hashlib.sha256(f"{self.seed}/{index}/{share}".encode()).digest()
-        seed = int.from_bytes(digest[:8], "little") >> 1
-        with torch.random.fork_rng(devices=cuda):
-            torch.default_generator.manual_seed(seed)
-            if cuda:
-                with torch.cuda.device(device):
-                    torch.cuda.manual_seed(seed)
+        with seeded_rngs(int.from_bytes(digest[:8], "little") >> 1, device):
             yield
 
     @property
@@ -312,6 +310,34 @@ class Workload:
         if isinstance(inputs, dict):
             return model(**inputs)
         return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
+
+
+@contextlib.contextmanager
+def seeded_rngs(seed: int, device: str | torch.device = "cpu") -> Iterator[None]:
+    """Every global random number generator a model's code draws from, seeded from ``seed``
+    and restored on exit, also on error: torch's CPU generator (and ``device``'s if it is
+    CUDA), numpy's global ``np.random`` (wav2vec2's and HuBERT's SpecAugment masks draw from
+    it inside the forward) and Python's ``random``. Forking only torch's would let two runs of
+    the same step draw different masks, and a strategy compared with its reference would fail
+    on a difference that is not the strategy's."""
+    device = torch.device(device)
+    cuda = [device] if device.type == "cuda" else []
+    python_state = random.getstate()
+    numpy_state = np.random.get_state() if np is not None else None
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            torch.default_generator.manual_seed(seed)
+            if cuda:
+                with torch.cuda.device(device):
+                    torch.cuda.manual_seed(seed)
+            random.seed(seed)
+            if np is not None:
+                np.random.seed(seed % 2**32)  # numpy's legacy seed takes 32 bits
+            yield
+    finally:
+        random.setstate(python_state)
+        if numpy_state is not None:
+            np.random.set_state(numpy_state)
 
 
 def _pair(pair: Any, name: str, field: str) -> tuple[Any, Any]:

@@ -366,6 +366,9 @@ def capture(workload: Workload) -> dict[str, dict[str, Any]]:
 
             # Both closed before backward: a block that checkpointing recomputes there runs
             # its submodules' forward hooks again (not a forward call of the step).
+            # The model's own hooks (Hugging Face's gradient_checkpointing_enable puts one
+            # on the input embeddings) are there before the capture opens: not the capture's.
+            before = _hooks(model)
             with contextlib.ExitStack() as stack:
                 cap = (stack.enter_context(ActivationCapture(model, stats=True))
                        if captured else None)
@@ -374,7 +377,7 @@ def capture(workload: Workload) -> dict[str, dict[str, Any]]:
             loss.backward()
             submodules = {id(m) for n, m in model.named_modules() if n}
             calls.append(sum(n for key, n in counts.items() if key in submodules))
-            left = [n for n, m in model.named_modules() if m._forward_hooks]
+            left = sorted({name for name, _ in _hooks(model) - before})
             # a call whose output holds several tensors (a tuple) gives a record for each
             results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()},
                             cap and len({(r.name, r.call) for r in cap.records}), left))
@@ -388,10 +391,21 @@ def capture(workload: Workload) -> dict[str, dict[str, Any]]:
         if records != calls[1]:
             problems.append(f"{records} calls recorded of {calls[1]} submodule calls")
         if left:
-            problems.append(f"forward hooks left on {left[:3]} after the capture closed")
+            problems.append(f"hooks left on {left[:3]} after the capture closed")
         return {"records": records, "calls": calls[1], "problems": problems}
 
     return {f"{workload.name}/capture": attempt(run)}
+
+
+def _hooks(model: torch.nn.Module) -> set[tuple[str, int]]:
+    """Every hook registered on ``model``'s modules and parameters, as (its owner's name, the
+    hook's id: ids are unique in the process): forward, forward-pre, backward and
+    backward-pre hooks, tensor and post-accumulate-grad hooks."""
+    kinds = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+             "_post_accumulate_grad_hooks")
+    return {(name or "the model", key)
+            for name, owner in (*model.named_modules(), *model.named_parameters())
+            for kind in kinds for key in (getattr(owner, kind, None) or {})}
 
 
 def memory(workload: Workload) -> dict[str, dict[str, Any]]:
