@@ -118,7 +118,7 @@ def gated(args: argparse.Namespace) -> tuple[list[Workload], tuple[str, ...], st
         raise ValueError("the workloads section needs --workload package.module:attribute, or "
                          "workloads in [tool.hookbench] of pyproject.toml")
     for w in workloads:  # a broken workload: one line, exit 2, before anything is measured
-        w.check(shares=gate.workload_checks.ZERO2_RANKS)
+        w.check(shares=gate.workload_checks.ZERO2_RANKS, batches=gate.workload_checks.BATCHES)
     baseline = args.baseline or config.get("baseline")
     if baseline is None and workloads:
         raise ValueError("name the baseline of your workloads: --baseline PATH, or baseline "

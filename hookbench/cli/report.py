@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     chosen = common.chosen(args.sections, names.REPORT_SECTIONS, "report sections")
     spec = common.one_workload(args)
     if args.workload:  # a broken workload: one line, exit 2, before anything is measured
-        spec.check(shares=workload_checks.ZERO2_RANKS if "zero2" in chosen else 1)
+        spec.check(shares=workload_checks.ZERO2_RANKS if "zero2" in chosen else 1,
+                   batches=workload_checks.BATCHES)
     out = common.output_dir(args.out)
     files = common.verdict_files(args)
     began = time.perf_counter()  # the whole report's (each memory row times itself)

@@ -199,22 +199,30 @@ class Workload:
                             f"tensors or a dict of them, and target a tensor")
         return inputs, target
 
-    def check(self, shares: int = 1) -> None:
-        """Build the model and run the forward and loss of batch 0 once, before anything is
-        measured, so that a broken workload is told once and not on every row: a
-        ``ValueError`` in one line naming the workload, the function and the problem (a
-        factory, batch function, forward or loss that raises; a batch that does not split
-        over ``shares`` data-parallel ranks; a loss that is not a finite scalar depending on
-        the parameters). A compiled workload is checked eager (compiling takes long)."""
-        def call(what: str, fn: Callable[..., Any], *args: Any) -> Any:
-            try:
-                return fn(*args)
-            except Exception as e:  # noqa: BLE001 - the user's function: say which raised
-                raise ValueError(f"workload {self.name!r}: {what} raised {one_line(e)}") from None
-
+    def check(self, shares: int = 1, batches: int = 1) -> None:
+        """Build the model and run the forward and loss of batches 0 to ``batches`` - 1 (as
+        many as the checks will draw), before anything is measured, so that a broken workload
+        is told once and not on every row, nor recorded as a failure of torch's: a
+        ``ValueError`` in one line naming the workload, the function, the batch and the
+        problem (a factory, batch function, forward or loss that raises; a batch that does
+        not split over ``shares`` data-parallel ranks; a loss that is not a finite scalar
+        depending on the parameters). A compiled workload is checked eager (compiling takes
+        long)."""
         eager = self.replace(compile=None)
-        model = call("model()", eager.build)
-        inputs, target = call("batch(generator)", self.data, 0)
+        model = self._call("model()", eager.build)
+        for index in range(batches):
+            self._check_batch(model, index, shares)
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - the user's function: say which raised
+            raise ValueError(f"workload {self.name!r}: {what} raised {one_line(e)}") from None
+
+    def _check_batch(self, model: nn.Module, index: int, shares: int) -> None:
+        call = self._call
+        at = f" at batch {index}" if index else ""
+        inputs, target = call(f"batch(generator){at}", self.data, index)
         rows = len(target) if target.dim() else 0
         if rows % shares or rows < shares:
             raise ValueError(f"workload {self.name!r}: batch(generator) gives a target of "
@@ -227,9 +235,9 @@ class Workload:
                 raise ValueError(f"workload {self.name!r}: batch(generator)'s input {key!r} "
                                  f"has shape {tuple(t.shape)}, the target {rows} rows: each "
                                  f"input is cut along its first dimension for the ranks")
-        with self.forward_rng(0), self.autocast("cpu"):
-            output = call("the model's forward", self.forward, model, inputs)
-            loss = call("loss(output, target)", self.loss, output, target)
+        with self.forward_rng(index), self.autocast("cpu"):
+            output = call(f"the model's forward{at}", self.forward, model, inputs)
+            loss = call(f"loss(output, target){at}", self.loss, output, target)
         if not torch.is_tensor(loss) or loss.numel() != 1 or loss.dim() > 0:
             what = (f"a tensor of shape {tuple(loss.shape)}" if torch.is_tensor(loss)
                     else type(loss).__name__)
@@ -237,7 +245,7 @@ class Workload:
                              f"not a scalar tensor (reduce it, e.g. with .mean())")
         if not torch.isfinite(loss.detach()).item():
             raise ValueError(f"workload {self.name!r}: loss(output, target) is "
-                             f"{float(loss.detach())} on batch 0, before any step: nothing "
+                             f"{float(loss.detach())} on batch {index}, before any step: nothing "
                              f"can be compared (check the model's initialisation and inputs)")
         if not loss.requires_grad:
             raise ValueError(f"workload {self.name!r}: loss(output, target) does not depend "

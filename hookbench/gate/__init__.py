@@ -31,8 +31,8 @@ from hookbench.core import names
 from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload
 from hookbench.gate import (baselines, checkpoints, collectives, compiled_hooks, emitted_warnings,
-                            engines, hooks, memory, numerics, offload, parity, step_time,
-                            workload_checks, zero2)
+                            engines, hooks, known_failures, memory, numerics, offload,
+                            parity, step_time, workload_checks, zero2)
 from hookbench.gate.checks import Run, Section
 from hookbench.measure.faults import FAULTS, inject
 
@@ -48,7 +48,7 @@ assert tuple(REGISTRY) == SECTIONS, "hookbench.core.names.GATE_SECTIONS lists RE
 WORKLOAD_SECTIONS = names.GATE_WORKLOAD_SECTIONS  # the hook contract and the workloads' rows
 MODELS = names.GATE_MODELS  # the gate's default
 RECORD_MODELS = names.GATE_RECORD_MODELS  # recorded, so that --models vit_l_16 can be gated
-CRASHED = "crashed"  # the key of a section whose measurement as a whole raised
+CRASHED = known_failures.CRASHED  # the key of a section whose measurement as a whole raised
 
 
 def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = MODELS,
@@ -77,19 +77,9 @@ def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = 
 
 
 def failures(measured: dict[str, Any]) -> list[str]:
-    """What failed outright in a measurement (``measure_all``): a crashed section, a row that
-    raised. ``hookbench record`` refuses to store a baseline with any."""
-    found = []
-    for section, rows in measured.items():
-        if section == "recorded_with" or not isinstance(rows, dict):
-            continue
-        if CRASHED in rows:
-            found.append(f"{section}: {rows[CRASHED]}")
-        found += [f"{section}/{key}: {value['error']}" for key, value in rows.items()
-                  if isinstance(value, dict) and "error" in value]
-        found += [f"{section}/{key}: {'; '.join(value['problems'])}" for key, value in
-                  rows.items() if isinstance(value, dict) and value.get("problems")]
-    return found
+    """What failed in a measurement (``measure_all``), ``section/key: words`` each: a crashed
+    section, a row that raised or found a problem (``known_failures.of``)."""
+    return known_failures.listed(known_failures.of(measured))
 
 
 def record(models: tuple[str, ...] = RECORD_MODELS, sections: tuple[str, ...] = SECTIONS,
@@ -97,9 +87,13 @@ def record(models: tuple[str, ...] = RECORD_MODELS, sections: tuple[str, ...] = 
            workloads: list[Workload] = ()) -> dict[str, Any]:
     """The baseline of the installed torch (``hookbench record`` saves it); a live section
     (parity) compares two strategies now and stores nothing. The checkpoint files are written
-    into ``checkpoint_dir`` first, then resumed like the gate resumes them."""
-    return measure_all(sections, models, checkpoint_dir=checkpoint_dir, workloads=workloads,
+    into ``checkpoint_dir`` first, then resumed like the gate resumes them. A row that fails
+    on this torch is kept as it is and listed, with its words, as a known failure
+    (``known_failures``): the gate holds a later torch to the same failure."""
+    data = measure_all(sections, models, checkpoint_dir=checkpoint_dir, workloads=workloads,
                        recording=True)
+    known = known_failures.of(data)
+    return {**data, known_failures.KEY: known} if known else data
 
 
 def check(base: dict[str, Any], now: dict[str, Any], parity: bool = True,
@@ -115,14 +109,33 @@ def check(base: dict[str, Any], now: dict[str, Any], parity: bool = True,
               machine_note=f" (recorded on {was}, this CPU is {here})" if was != here else "")
     out = {}
     for name, section in REGISTRY.items():
+        known = base.get(known_failures.KEY, {}).get(name, {})
         if section.measure is None:  # live: judged now, against nothing recorded
             if parity:
                 out[name] = _crash_safe(name, lambda: section.judge({}, {}, run))
-        elif name in now and CRASHED in now[name]:
-            out[name] = _stopped(name, now[name][CRASHED])
-        elif name in now:
-            out[name] = section.judge(base.get(name, {}), now[name], run)
+        elif name not in now:
+            continue
+        elif CRASHED in known or CRASHED in now[name]:
+            out[name] = (_known(Section(f"{name}: the measurement as a whole", (
+                "section", "verdict")), known_failures.judge({CRASHED: known[CRASHED]},
+                                                               now[name]))
+                         if CRASHED in known else _stopped(name, now[name][CRASHED]))
+        else:
+            # a recorded failure has no values to hold the row to: its judge sees none
+            recorded = {k: v for k, v in base.get(name, {}).items() if k not in known}
+            out[name] = _known(section.judge(recorded, now[name], run),
+                               known_failures.judge(known, now[name]))
     return out
+
+
+def _known(section: Section, rows: list[tuple[str, bool, str]]) -> Section:
+    """``section`` with the known failures' rows (``known_failures.judge``) in place of what
+    its judge said of them."""
+    keys = {key for key, _, _ in rows}
+    section.rows = [row for row in section.rows if row[0][0] not in keys]
+    for key, ok, verdict in rows:
+        section.add(ok, key, *[""] * (len(section.columns) - 2), verdict)
+    return section
 
 
 def _stopped(name: str, error: str) -> Section:

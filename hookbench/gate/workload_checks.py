@@ -70,13 +70,14 @@ from hookbench.gate.baselines import fingerprint
 from hookbench.gate.checks import Run, Section, trajectory_verdict
 from hookbench.gate.memory import amount, memory_verdict
 from hookbench.engines import fsdp2, references, verdicts
+from hookbench.engines.loop import ACCUMULATION
 from hookbench.engines.memory import rank_peak
 from hookbench.measure import zero2_runs
 from hookbench.measure.memory import measure_or_fall_back
 from hookbench.measure.parity import Tolerance, accepts, compare, tolerance, trajectory
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
-__all__ = ["DESIGNED", "MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS", "bucket",
+__all__ = ["BATCHES", "DESIGNED", "MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS", "bucket",
            "capture", "engine_memory", "engine_rows", "engine_runs", "forloop_options",
            "measure_all", "memory", "not_applicable", "refusal", "refused_words", "trajectories",
            "zero2"]
@@ -96,6 +97,8 @@ _REFERENCE = {"foreach": ("forloop", False), "in_backward": ("forloop", True),
 _FOREACH = ("foreach", "in_backward_grouped_foreach")
 MEMORY_STRATEGIES = ("foreach", "in_backward", "zero2")
 STEPS = 3
+# The most batches a row draws (the engines' micro-batches): ``Workload.check`` runs them all
+BATCHES = STEPS * ACCUMULATION
 # Elements of each parameter stored for the comparison on another CPU (with its float64 norm):
 # a user's model stored whole would make the baseline as large as the model.
 SAMPLE = 64
@@ -490,7 +493,7 @@ def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str
     if len(set(names)) != len(names):
         raise ValueError(f"workload names must differ: {sorted(names)}")
     for w in workloads:  # a broken workload raises here, once, not on every row
-        w.check(shares=ZERO2_RANKS)
+        w.check(shares=ZERO2_RANKS, batches=BATCHES)
     out: dict[str, Any] = {}
     for w in workloads:
         out.update(trajectories(w))

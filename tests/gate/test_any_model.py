@@ -9,7 +9,8 @@ and a broken workload is told once, in one line, before anything is measured.
                      to be elementwise): foreach rows do not apply, ZeRO-2 refuses, in words,
                      recorded; the for-loop and the optimizer in backward still run
     broken workloads a non-scalar or non-finite loss, a batch that does not split over the
-                     ranks, a factory or batch function that raises: one line, exit 2
+                     ranks, a factory, batch function or forward that raises, at any batch the
+                     checks draw: one line, exit 2
 """
 
 from __future__ import annotations
@@ -185,6 +186,25 @@ def _bad_batch(g: torch.Generator):
     raise KeyError("input_ids")
 
 
+def _raises_at_batch_4(g: torch.Generator):
+    if g.initial_seed() == 4:  # seed 0's batch 4 (Workload.data)
+        raise IndexError("the dataset ran out")
+    return torch.randn(4, 6, generator=g), torch.zeros(4).long()
+
+
+class _RaisesOnBatch5(nn.Linear):
+    """A forward that raises on one batch of the six the checks draw, not on the first."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x[0, 0] == 5:
+            raise RuntimeError("shape mismatch in a branch batch 0 never takes")
+        return super().forward(x)
+
+
+def _batch_number(g: torch.Generator):
+    return torch.full((4, 6), float(g.initial_seed())), torch.zeros(4).long()
+
+
 BROKEN = {
     "non-scalar": (LAYERDROP.replace(loss=lambda out, y: F.cross_entropy(
         out, y, reduction="none")), "workload 'layerdrop': loss(output, target) returned a "
@@ -199,6 +219,13 @@ BROKEN = {
                 "ZeroDivisionError: a typo in the factory"),
     "batch": (LAYERDROP.replace(batch=_bad_batch),
               "workload 'layerdrop': batch(generator) raised KeyError: 'input_ids'"),
+    # a later batch: recorded, it would read as a failure of torch's
+    "later batch": (LAYERDROP.replace(batch=_raises_at_batch_4),
+                    "workload 'layerdrop': batch(generator) at batch 4 raised IndexError: the "
+                    "dataset ran out"),
+    "later forward": (LAYERDROP.replace(model=lambda: _RaisesOnBatch5(6, 3), batch=_batch_number),
+                      "workload 'layerdrop': the model's forward at batch 5 raised RuntimeError: "
+                      "shape mismatch in a branch batch 0 never takes"),
 }
 
 
