@@ -21,7 +21,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from hookbench.core.workload import of
-from hookbench.engines.loop import train
+from hookbench.engines.loop import Refused, train, wrapping
 from hookbench.measure.zero2_runs import rank_device
 
 __all__ = ["bucket_problems", "trajectory", "wrap"]
@@ -43,11 +43,15 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     """Train ``spec`` with DDP on this rank's share of each global batch (run on every rank),
     ``accumulation`` micro-batches per step, all but the last under ``no_sync()``. Returns the
     parameters after every step and, per backward, ``"buckets"``: for each comm-hook call the
-    bucket's index and its parameters' names, in call order."""
+    bucket's index and its parameters' names, in call order; ``{"torch_refuses": ...}`` where
+    DDP refuses the model (``loop.Refused``)."""
     device = rank_device(rank)
     spec = of(spec)
     model = spec.build().to(device)
-    ddp = wrap(model)
+    try:
+        ddp = wrapping("DistributedDataParallel", lambda: wrap(model))
+    except Refused as e:  # on every rank alike: the same model, the same words
+        return {"torch_refuses": str(e), "error": None}
     names = {p: n for n, p in model.named_parameters()}
     calls: list[tuple[int, list[str]]] = []
 

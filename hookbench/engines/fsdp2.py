@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import of
-from hookbench.engines.loop import train
+from hookbench.engines.loop import Refused, train, wrapping
 from hookbench.measure.zero2_runs import local_batch, rank_device
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 
@@ -175,7 +175,8 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     shard of the parameter's size), ``"shard_grads"`` (shards holding a gradient after it) and
     ``"unsharded_grads"``, ``"peak_shard_grad_bytes"`` (the most bytes of shard gradients held
     at once), and ``"unit_bytes"`` (each unit's trainable shards on this rank, the root's
-    last). ``{"refused": ...}`` where the optimizer in backward refuses."""
+    last). ``{"refused": ...}`` where the optimizer in backward refuses, ``{"torch_refuses":
+    ...}`` where ``fully_shard`` refuses the model (``loop.Refused``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     settings = SETTINGS[setting]
@@ -184,7 +185,12 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     model = spec.build().to(device)
     mesh = init_device_mesh(torch.device(device).type, (world,))
     param_dtype = torch.bfloat16 if spec.precision == "bf16" else None
-    blocks = shard(model, mesh, settings["reshard_after_forward"], param_dtype)
+    try:
+        blocks = wrapping("fully_shard", lambda: shard(model, mesh,
+                                                       settings["reshard_after_forward"],
+                                                       param_dtype))
+    except Refused as e:  # on every rank alike: the same model, the same words
+        return {"torch_refuses": str(e), "error": None}
     names = {p: n for n, p in model.named_parameters()}
     calls: dict[str, int] = {}
     not_reduced: list[str] = []

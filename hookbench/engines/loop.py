@@ -18,12 +18,29 @@ import torch
 from hookbench.core.workload import Workload
 from hookbench.measure.zero2_runs import local_batch
 
-__all__ = ["ACCUMULATION", "train"]
+__all__ = ["ACCUMULATION", "Refused", "train", "wrapping"]
 
 # Micro-batches per optimizer step in the engines' rows: the first under the engine's no-sync
 # (DDP's ``no_sync()``, FSDP2's ``set_requires_gradient_sync(False)``), the second reduced.
 # Two is the fewest that exercises both paths.
 ACCUMULATION = 2
+
+
+class Refused(Exception):
+    """The engine will not wrap the model, by torch's design, in torch's words: what its
+    wrapper raised before anything ran (``fully_shard``'s "doesn't support scalar
+    parameters" on CLIP's 0-dim ``logit_scale``). Its row is a recorded refusal, gated as
+    hookbench's own refusals are, never a failure of the check."""
+
+
+def wrapping(engine: str, wrap: Callable[[], Any]) -> Any:
+    """``wrap()``, the engine's wrapper around the model; ``Refused`` naming ``engine`` and
+    torch's words where it raises the exceptions torch refuses a model with by design
+    (``ValueError``, ``NotImplementedError``). Anything else it raises is a failure."""
+    try:
+        return wrap()
+    except (ValueError, NotImplementedError) as e:
+        raise Refused(f"{engine}: {type(e).__name__}: {e}") from None
 
 
 def train(rank: int, world: int, spec: Workload, model: torch.nn.Module, wrapped: Any,

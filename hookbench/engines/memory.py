@@ -48,6 +48,7 @@ import torch.distributed as dist
 from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload
 from hookbench.engines import fsdp2
+from hookbench.engines.loop import Refused, wrapping
 from hookbench.measure.memory import format_bytes, materialize, torch_log_kept
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 
@@ -143,8 +144,9 @@ def _run(workload: Workload, setting: str, world: int, fake: bool) -> dict[str, 
         if fake:
             stack.enter_context(FakeTensorMode())
             materialize(model)
-        fsdp2.shard(model, mesh, settings["reshard_after_forward"], param_dtype)
-        stack.callback(fsdp2.remove_hooks, model)
+        stack.callback(fsdp2.remove_hooks, model)  # also those of units sharded before a refusal
+        wrapping("fully_shard", lambda: fsdp2.shard(model, mesh, settings["reshard_after_forward"],
+                                                    param_dtype))
         params = workload.optimizer_params(model)
         params = list(model.parameters()) if params is None else params
         if settings["in_backward"]:
@@ -195,6 +197,8 @@ def rank_peak(workload: Workload, setting: str, world: int = WORLD) -> dict[str,
         with torch_log_kept(kept):
             got = _run(workload, setting, world, fake=True)
         backend = "fake"
+    except Refused:
+        raise  # torch's design, on any tensors
     except Exception as e:  # noqa: BLE001 - what fake tensors cannot run: real tensors must
         fallback = f"fake tensors cannot run {workload.name} under FSDP2: {one_line(e)}"
         got, backend = _run(workload, setting, world, fake=False), "eager"

@@ -146,7 +146,7 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
           steps: int, world: int, tol: Tolerance) -> dict[str, dict[str, Any]]:
     """Each engine's row from its ranks' results (``got``: engine -> per-rank results):
     ``problems``, ``parity`` (what was compared, in words) and ``snapshots`` (rank 0's), or a
-    designed outcome (``refused``)."""
+    designed outcome (``refused``: hookbench's; ``torch_refuses``: torch would not wrap it)."""
     with torch.device("meta"):
         trainable = [n for n, p in workload.build().named_parameters() if p.requires_grad]
     cls = workload.optimizer[0]
@@ -160,8 +160,8 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
         if any(r.get("error") for r in ranks):
             out[engine] = {"problems": [f"rank {i}: {r['error']}"
                                         for i, r in enumerate(ranks) if r.get("error")]}
-        elif "refused" in ranks[0]:
-            out[engine] = {"refused": ranks[0]["refused"]}
+        elif "refused" in ranks[0] or "torch_refuses" in ranks[0]:  # designed: recorded
+            out[engine] = {k: ranks[0][k] for k in ("refused", "torch_refuses") if k in ranks[0]}
         else:
             problems = (ddp.bucket_problems(ranks[0]["after_backward"], trainable)
                         if engine == "ddp" else fsdp2.hook_problems(

@@ -70,7 +70,7 @@ from hookbench.gate.baselines import fingerprint
 from hookbench.gate.checks import Run, Section, trajectory_verdict
 from hookbench.gate.memory import amount, memory_verdict
 from hookbench.engines import fsdp2, references, verdicts
-from hookbench.engines.loop import ACCUMULATION
+from hookbench.engines.loop import ACCUMULATION, Refused
 from hookbench.engines.memory import rank_peak
 from hookbench.measure import zero2_runs
 from hookbench.measure.memory import measure_or_fall_back
@@ -155,7 +155,8 @@ def refusal(workload: Workload, strategy: str) -> str | None:
 
 
 # The rows of a designed outcome, and what each says.
-DESIGNED = {"refused": "refuses, as designed", "not_applicable": "does not apply"}
+DESIGNED = {"refused": "refuses, as designed", "not_applicable": "does not apply",
+            "torch_refuses": "torch refuses it, in its words"}
 
 
 def refused_words(error: str) -> str:
@@ -339,7 +340,9 @@ def _engine_rows(w: Workload, kwargs: dict[str, Any], stopped: dict[str, dict[st
                 rows[engine] = {"refused": refused_words(row["refused"])}
         # the optimizer in backward under FSDP2 refuses what it refuses on one device
         why, got = refusal(w, "in_backward"), rows.get("fsdp2_in_backward", {})
-        if why and "refused" not in got and "fsdp2_in_backward" in rows:
+        if "torch_refuses" in got:
+            pass  # FSDP2 itself would not wrap the model: nothing was stepped
+        elif why and "refused" not in got and "fsdp2_in_backward" in rows:
             got.setdefault("problems", []).append(f"trained the workload; it must refuse ({why})")
         elif not why and "refused" in got:
             rows["fsdp2_in_backward"] = {"problems": [f"refused: {got['refused']}"]}
@@ -472,7 +475,10 @@ def engine_memory(workload: Workload) -> dict[str, dict[str, Any]]:
             continue
 
         def one(setting: str = setting) -> dict[str, Any]:
-            row = rank_peak(eager, setting)
+            try:
+                row = rank_peak(eager, setting)
+            except Refused as e:
+                return {"torch_refuses": str(e)}
             standard = out.get(f"{workload.name}/memory/fsdp2_zero3", {})
             if setting == "in_backward" and "peak" in standard:
                 if row["peak"] > standard["peak"]:

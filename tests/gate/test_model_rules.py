@@ -148,3 +148,44 @@ def test_a_hook_the_capture_leaves_is_still_caught_beside_the_models_own():
         module_mod._global_forward_hooks.clear()
         module_mod._global_forward_hooks.update(global_hooks)
     assert any(p.startswith("hooks left on ['embed', 'head'") for p in row["problems"]), row
+
+
+class ScaledLogits(nn.Module):
+    """CLIP's learned temperature: a 0-dim parameter, which ``fully_shard`` refuses by design
+    ("doesn't support scalar parameters"); DDP trains it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 3))
+        self.logit_scale = nn.Parameter(torch.tensor(2.6592))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x) * self.logit_scale.exp()
+
+
+def features(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+SCALAR = Workload("scalar", model=ScaledLogits, batch=features, loss=F.cross_entropy,
+                  optimizer=(torch.optim.AdamW, {"lr": 1e-2}))
+
+
+@pytest.mark.distributed
+def test_an_engine_torch_will_not_wrap_the_model_with_is_a_recorded_refusal_in_torchs_words():
+    rows = workload_checks.zero2([SCALAR], with_zero2=False)
+    assert rows["scalar/engines/ddp"]["problems"] == []
+    for setting in ("zero2", "zero3", "in_backward"):
+        assert rows[f"scalar/engines/fsdp2_{setting}"] == {
+            "torch_refuses": "fully_shard: ValueError: fully_shard doesn't support scalar "
+                             "parameters. Change logit_scale to a 1D tensor with numel equal "
+                             "to 1."}, rows
+    memory = workload_checks.engine_memory(SCALAR)
+    assert all("torch_refuses" in row for row in memory.values()), memory
+    # gated as refusals are: the same refusal holds; a refusal that goes away, or another
+    # one, fails
+    run = workload_checks.Run()
+    assert workload_checks.judge(rows, rows, run).ok
+    other = {**rows, "scalar/engines/fsdp2_zero2": {"torch_refuses": "fully_shard: other"}}
+    assert not workload_checks.judge(rows, other, run).ok
+    assert not workload_checks.judge(other, rows, run).ok
