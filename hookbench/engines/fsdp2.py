@@ -25,6 +25,7 @@ outside it (tied embeddings) stays in its parent's unit.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from typing import Any, Iterator
 
@@ -38,7 +39,7 @@ from hookbench.measure.zero2_runs import local_batch, rank_device
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 
 __all__ = ["SETTINGS", "api", "cannot_train_on_cpu", "hook_problems", "peer_trajectory",
-           "remove_hooks", "shard", "trajectory", "units"]
+           "remove_hooks", "shard", "repeated_units", "trajectory", "unit_runs", "units"]
 
 SETTINGS = {"zero2": {"reshard_after_forward": False, "in_backward": False},
             "zero3": {"reshard_after_forward": True, "in_backward": False},
@@ -114,6 +115,40 @@ def units(model: torch.nn.Module) -> list[torch.nn.Module]:
                 found.append(block)
                 inside |= own
     return found
+
+
+@functools.lru_cache(maxsize=16)  # asked by each FSDP2 row of a workload; one forward each
+def unit_runs(workload: Any) -> dict[str, int]:
+    """Trainable parameter name -> how often the unit that holds it (``units``, else the root)
+    runs in one training forward of batch 0: FSDP2 reduces a unit's gradients and calls their
+    post-accumulate-grad hooks once per run (seen: in pieces, up to once per run), so that is
+    how often each hook may fire per synced backward. One eager forward in this process."""
+    model = workload.build()
+    blocks = units(model)
+    runs = [0] * len(blocks)
+    handles = [b.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+               for i, b in enumerate(blocks)]
+    try:
+        x, y = workload.data(0)
+        workload.compute_loss(model, x, y, (0, 0))
+    finally:
+        for h in handles:
+            h.remove()
+    owner = {id(p): runs[i] for i, b in enumerate(blocks) for p in b.parameters()}
+    return {n: owner.get(id(p), 1) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def repeated_units(workload: Any) -> str | None:
+    """Why the optimizer in backward refuses ``workload`` under FSDP2, or None: a unit that
+    runs several times in one forward (``unit_runs``) would have its parameters stepped once
+    per run, in one backward (``OptimizerInBackward`` refuses it at the unit's second run)."""
+    repeated = {n: k for n, k in unit_runs(workload).items() if k > 1}
+    if not repeated:
+        return None
+    name = next(iter(repeated))
+    return (f"the optimizer in backward refuses FSDP2 units run more than once in one forward "
+            f"({len(repeated)} parameters, e.g. {name}: {repeated[name]} runs): FSDP2 calls "
+            f"their hooks once per run, which would step them more than once per backward")
 
 
 def shard(model: torch.nn.Module, mesh: Any, reshard_after_forward: bool,
@@ -238,10 +273,11 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                            accumulation, lambda: _no_sync(model), observe,
                            lambda: {n: p.full_tensor().detach().cpu().clone()
                                     for n, p in model.named_parameters()})
-        except RuntimeError as e:
+        except (ValueError, RuntimeError) as e:
             if not settings["in_backward"]:
                 raise
-            # what it refuses in forward (an fp16 autocast), on every rank alike; where no
+            # what it refuses in forward (an fp16 autocast, a unit run twice), on every rank
+            # alike; where no
             # refusal is due, the row says it refused (workload_checks), never passes
             return {"refused": f"{type(e).__name__}: {e}", "error": None}
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
@@ -266,24 +302,28 @@ def _no_sync(model: torch.nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def hook_problems(after_backward: list[dict[str, Any]], trainable: list[str],
+def hook_problems(after_backward: list[dict[str, Any]], runs: dict[str, int],
                   in_backward: bool) -> list[str]:
     """What an FSDP2 run shows wrong: in a synced backward a shard's post-accumulate-grad hook
-    not called exactly once, or called with another gradient than its reduced shard; a hook
-    called in a backward without sync; a gathered gradient left; in backward, a shard's
-    gradient left after its step."""
+    not called once per run of its unit (``runs``: ``unit_runs``; between once and that
+    often where a unit runs several times, as FSDP2 may reduce such a unit's pieces
+    together), or called with another gradient than its reduced shard; a hook called in a
+    backward without sync; a gathered gradient left; in backward, a shard's gradient left
+    after its step."""
     for i, seen in enumerate(after_backward):
         calls = seen["hook_calls"]
         if not seen["synced"]:
             if calls:
                 return [f"backward {i} without gradient sync: hooks called on {sorted(calls)[:3]}"]
             continue
-        wrong = {n: calls.get(n, 0) for n in trainable if calls.get(n, 0) != 1}
+        wrong = {n: calls.get(n, 0) for n, k in runs.items()
+                 if not min(1, k) <= calls.get(n, 0) <= max(1, k)}
         if wrong:
             shown = dict(list(wrong.items())[:3])
+            expected = {n: runs[n] for n in list(wrong)[:3]}
             return [f"backward {i}: the shards' post-accumulate-grad hooks were called "
-                    f"{shown} times (every shard once expected; {len(wrong)} of "
-                    f"{len(trainable)} differ)"]
+                    f"{shown} times (once per run of the shard's unit expected, at most "
+                    f"{expected}; {len(wrong)} of {len(runs)} differ)"]
         if seen["not_reduced"]:
             return [f"backward {i}: hooks saw no reduced shard gradient on "
                     f"{seen['not_reduced'][:3]}"]

@@ -339,7 +339,8 @@ def _engine_rows(w: Workload, kwargs: dict[str, Any], stopped: dict[str, dict[st
             elif "refused" in row:
                 rows[engine] = {"refused": refused_words(row["refused"])}
         # the optimizer in backward under FSDP2 refuses what it refuses on one device
-        why, got = refusal(w, "in_backward"), rows.get("fsdp2_in_backward", {})
+        got = rows.get("fsdp2_in_backward", {})
+        why = refusal(w, "in_backward") or (fsdp2.repeated_units(w) if got else None)
         if "torch_refuses" in got:
             pass  # FSDP2 itself would not wrap the model: nothing was stepped
         elif why and "refused" not in got and "fsdp2_in_backward" in rows:
@@ -471,8 +472,9 @@ def engine_memory(workload: Workload) -> dict[str, dict[str, Any]]:
         if f"fsdp2_{setting}" in stopped:
             out[key] = stopped[f"fsdp2_{setting}"]
             continue
-        if setting == "in_backward" and refusal(workload, "in_backward"):
-            continue
+        if setting == "in_backward" and (refusal(workload, "in_backward")
+                                         or fsdp2.repeated_units(workload)):
+            continue  # its trajectory row checks the refusal
 
         def one(setting: str = setting) -> dict[str, Any]:
             try:

@@ -37,7 +37,8 @@ before anything changes:
   itself after each reduce-scatter), ``accumulation_steps > 1``: accumulate with
   ``set_requires_gradient_sync(False)`` instead. A backward in which FSDP2 assigned a shard its
   gradient without calling its hook (as torch 2.4's FSDP2 does) raises at its end, before any
-  step;
+  step. A sharded unit run twice in one forward (a layer shared across depth) is refused at
+  its second run, before backward: FSDP2 calls the hooks once per run;
 * reentrant activation checkpointing: its nested backward fires the hook of a parameter used
   inside and outside the checkpoint once in each, which would step it twice on partial
   gradients. A ``torch.utils.checkpoint`` node with ``use_reentrant=True`` in the graph of the
@@ -170,6 +171,13 @@ class OptimizerInBackward(torch.optim.Optimizer):
         ]
         if self._sharded:  # FSDP2 calls the hooks itself: check at each backward's end
             self._handles.append(model.register_forward_hook(self._watch_backward))
+            # and once per run of a unit: a unit run twice in one forward would be stepped
+            # twice in one backward, so its second run is refused, before backward
+            runs: dict[str, int] = {}
+            self._handles.append(model.register_forward_pre_hook(lambda *_: runs.clear()))
+            self._handles += [module.register_forward_pre_hook(functools.partial(
+                _refuse_second_run, runs, name)) for name, module in model.named_modules()
+                if name and hasattr(module, "_get_fsdp_state")]
         self._backwards = 0  # backward passes (graph tasks) that reached a hook of ours
         self._graph_task = -1
         self._attach(units)
@@ -379,6 +387,22 @@ def _is_dtensor(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor (a parameter FSDP2 sharded), without importing
     torch.distributed where it is not built."""
     return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
+
+
+def _refuse_second_run(runs: dict[str, int], name: str, module: nn.Module, args: Any) -> None:
+    # A training forward only: not under no_grad, and not a checkpoint's recomputation inside
+    # backward (a graph task is running then).
+    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        return
+    runs[name] = runs.get(name, 0) + 1
+    if runs[name] > 1:
+        raise ValueError(
+            f"FSDP2 unit '{name}' runs {runs[name]} times in one forward (a layer shared "
+            f"across depth, as ALBERT's): FSDP2 reduce-scatters its gradients and calls their "
+            f"post-accumulate-grad hooks once per run, so the optimizer in backward would "
+            f"step its parameters more than once in one backward, on partial gradients. "
+            f"Nothing was stepped; use a standard optimizer.step() for this model, or shard "
+            f"the shared layer inside a unit that runs once.")
 
 
 def _check_arguments(model: Any, optimizer_class: Any, accumulation_steps: Any, grouped: bool,

@@ -110,15 +110,15 @@ def test_fsdp2_rows_name_shard_hooks_called_other_than_once():
     seen = [{"synced": False, "hook_calls": {}},
             {"synced": True, "hook_calls": {"a": 1, "b": 2}, "not_reduced": [],
              "unsharded_grads": [], "shard_grads": []}]
-    assert "{'b': 2} times" in fsdp2.hook_problems(seen, ["a", "b"], False)[0]
+    assert "{'b': 2} times" in fsdp2.hook_problems(seen, {"a": 1, "b": 1}, False)[0]
     seen[1]["hook_calls"] = {"a": 1, "b": 1}
-    assert fsdp2.hook_problems(seen, ["a", "b"], False) == []
+    assert fsdp2.hook_problems(seen, {"a": 1, "b": 1}, False) == []
     seen[0]["hook_calls"] = {"a": 1}  # a hook run without gradient sync: no reduced gradient
-    assert "without gradient sync" in fsdp2.hook_problems(seen, ["a", "b"], False)[0]
+    assert "without gradient sync" in fsdp2.hook_problems(seen, {"a": 1, "b": 1}, False)[0]
     seen[0]["hook_calls"] = {}
     seen[1]["shard_grads"] = ["a"]  # only the optimizer in backward must free them
-    assert fsdp2.hook_problems(seen, ["a", "b"], False) == []
-    assert "left after their step" in fsdp2.hook_problems(seen, ["a", "b"], True)[0]
+    assert fsdp2.hook_problems(seen, {"a": 1, "b": 1}, False) == []
+    assert "left after their step" in fsdp2.hook_problems(seen, {"a": 1, "b": 1}, True)[0]
 
 
 def test_ddp_rows_name_a_bucket_not_reduced_once():

@@ -7,6 +7,11 @@ with the fault that breaks it: the same test run without the rule fails.
     model's hooks  a model that registers hooks of its own when built (Hugging Face's
                    ``gradient_checkpointing_enable`` does, on the input embeddings): the
                    capture row counts only hooks added while the capture was open
+    torch refuses  an engine whose wrapper refuses the model (``fully_shard`` on a 0-dim
+                   parameter, CLIP's ``logit_scale``): a recorded refusal in torch's words
+    shared layers  a layer run at every depth (ALBERT): each FSDP2 hook may fire once per run
+                   of its unit, measured; its sums come in pieces (not bit for bit DDP's);
+                   the optimizer in backward refuses it under FSDP2, in words, before backward
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from torch.nn.modules import module as module_mod
 from hookbench import Workload
 from hookbench.core import workload as workload_module
 from hookbench.core.leak_guard import untracked
+from hookbench.engines import fsdp2
 from hookbench.gate import workload_checks
 from hookbench.measure.faults import inject
 
@@ -189,3 +195,46 @@ def test_an_engine_torch_will_not_wrap_the_model_with_is_a_recorded_refusal_in_t
     other = {**rows, "scalar/engines/fsdp2_zero2": {"torch_refuses": "fully_shard: other"}}
     assert not workload_checks.judge(rows, other, run).ok
     assert not workload_checks.judge(other, rows, run).ok
+
+
+class SharedDepth(nn.Module):
+    """ALBERT's shape: one layer group, held once, applied at every depth."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 8)
+        self.groups = nn.ModuleList([nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))])
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for _ in range(3):
+            h = h + self.groups[0](h)
+        return self.head(h)
+
+
+SHARED = Workload("shared", model=SharedDepth, batch=features, loss=F.cross_entropy,
+                  optimizer=(torch.optim.AdamW, {"lr": 1e-2}))
+
+
+def test_how_often_a_shards_hook_may_fire_follows_from_how_often_its_unit_runs():
+    runs = fsdp2.unit_runs(SHARED)
+    assert runs == {"embed.weight": 1, "embed.bias": 1, "groups.0.0.weight": 3,
+                    "groups.0.0.bias": 3, "groups.0.2.weight": 3, "groups.0.2.bias": 3,
+                    "head.weight": 1, "head.bias": 1}
+    assert "groups.0.0.weight: 3 runs" in fsdp2.repeated_units(SHARED)
+
+
+@pytest.mark.distributed
+def test_a_layer_shared_across_depth_trains_under_fsdp2_and_the_optimizer_in_backward_refuses():
+    rows = workload_checks.zero2([SHARED], with_zero2=False)
+    for engine in ("ddp", "fsdp2_zero2", "fsdp2_zero3"):
+        assert rows[f"shared/engines/{engine}"]["problems"] == [], rows
+    # summed in pieces, one per run: against DDP within the measured yardstick, not bit for bit
+    assert "in pieces, once per run: within tolerance and 2x the noise floor" in rows[
+        "shared/engines/fsdp2_zero2"]["parity"]
+    refused = rows["shared/engines/fsdp2_in_backward"]["refused"]
+    assert refused.startswith("ValueError: FSDP2 unit 'groups.0' runs 2 times in one forward")
+    # a hook that fires twice is still caught on the parameters whose unit runs once
+    faulty = workload_checks.zero2([SHARED], fault="fires_twice", with_zero2=False)
+    assert "'embed.weight': 2" in " ".join(faulty["shared/engines/fsdp2_zero2"]["problems"])

@@ -782,3 +782,48 @@ def test_benchmark_whole_step(benchmark, model, batch, device, impl, mode):
         run.step(0)  # Adam's state exists from here on: the steady state
         benchmark.pedantic(lambda: (run.step(1), sync()), rounds=WHOLE_STEP_ROUNDS[model],
                            warmup_rounds=1)
+
+
+def test_a_sharded_unit_run_twice_in_one_forward_is_refused_before_anything_steps():
+    # FSDP2 calls a unit's hooks once per run of it, so a layer shared across depth would be
+    # stepped twice in one backward. On a fake process group of 2 ranks, in this process.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hookbench.engines import fsdp2
+
+    class Repeats(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared, self.head, self.times = nn.Sequential(nn.Linear(4, 4), nn.Tanh()), \
+                nn.Linear(4, 2), 1
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(self.times):
+                x = self.shared(x)
+            return self.head(x)
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        model = Repeats()
+        fsdp2.api().fully_shard(model.shared, mesh=init_device_mesh("cpu", (2,)))
+        fsdp2.api().fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+        opt = OptimizerInBackward(model, torch.optim.SGD, lr=0.1)
+        try:
+            model(torch.ones(2, 4)).sum().backward()  # one run per forward: it trains
+            stepped = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
+            assert not torch.equal(stepped["shared.0.weight"], before["shared.0.weight"])
+            model.times = 2
+            with pytest.raises(ValueError, match="FSDP2 unit 'shared' runs 2 times in one "
+                                                 "forward"):
+                model(torch.ones(2, 4))
+            # the values as they were (the root's are left gathered by FSDP2's own forward)
+            assert all(torch.equal(getattr(p, "full_tensor", p.detach)(), stepped[n])
+                       for n, p in model.named_parameters())
+        finally:
+            opt.remove()
+            fsdp2.remove_hooks(model)
+    finally:
+        dist.destroy_process_group()
