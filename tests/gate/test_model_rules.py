@@ -235,6 +235,12 @@ def test_a_layer_shared_across_depth_trains_under_fsdp2_and_the_optimizer_in_bac
         "shared/engines/fsdp2_zero2"]["parity"]
     refused = rows["shared/engines/fsdp2_in_backward"]["refused"]
     assert refused.startswith("ValueError: FSDP2 unit 'groups.0' runs 2 times in one forward")
-    # a hook that fires twice is still caught on the parameters whose unit runs once
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_hook_that_fires_twice_is_still_caught_beside_a_shared_layer():
+    # on the parameters whose unit runs once (~4 s; the engines' fault tests are in the
+    # default tier)
     faulty = workload_checks.zero2([SHARED], fault="fires_twice", with_zero2=False)
     assert "'embed.weight': 2" in " ".join(faulty["shared/engines/fsdp2_zero2"]["problems"])
