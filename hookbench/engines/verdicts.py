@@ -49,7 +49,8 @@ from hookbench.measure import zero2_runs
 from hookbench.measure.parity import Tolerance, compare
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
-__all__ = ["ENGINES", "PEERS", "cannot_run", "cases", "judge", "missing", "not_applicable"]
+__all__ = ["ENGINES", "PEERS", "cannot_run", "cases", "judge", "missing", "not_applicable",
+           "sparse_gradients"]
 
 ENGINES = ("ddp", "fsdp2_zero2", "fsdp2_zero3", "fsdp2_in_backward")
 # Why DeepSpeed's sums are not DDP's (``hookbench.engines.deepspeed``)
@@ -86,6 +87,16 @@ def _uneven_gradients(workload: Workload, steps: int, world: int) -> str | None:
     return None
 
 
+def sparse_gradients(workload: Workload) -> str | None:
+    """The first module that makes sparse gradients (``nn.Embedding``/``EmbeddingBag`` with
+    ``sparse=True``), named with its class, or None."""
+    with torch.device("meta"):
+        model = workload.model()
+    return next((f"{name!r} ({type(m).__name__}(sparse=True))"
+                 for name, m in model.named_modules() if getattr(m, "sparse", False) is True
+                 and any(p.requires_grad for p in m.parameters(recurse=False))), None)
+
+
 def not_applicable(workload: Workload, steps: int, world: int,
                    engines: tuple[str, ...] = ENGINES) -> dict[str, str]:
     """Engine -> why it cannot train ``workload``, for those of ``engines`` that cannot (DDP
@@ -93,8 +104,11 @@ def not_applicable(workload: Workload, steps: int, world: int,
     cls = workload.optimizer[0]
     uneven = functools.cache(lambda: _uneven_gradients(workload, steps, world))  # trains: once
     why: dict[str, str | None] = {}
+    sparse = sparse_gradients(workload)
     if any(e.startswith("fsdp2") for e in engines):
-        common = ((f"FSDP2 steps each rank's DTensor shard of every parameter; "
+        common = ((f"FSDP2 reduce-scatters dense gradients, and {sparse} makes sparse ones"
+                   if sparse else None)
+                  or (f"FSDP2 steps each rank's DTensor shard of every parameter; "
                    f"{cls.__name__} is not known to update parameters elementwise (nor to "
                    f"step DTensors)" if cls not in ELEMENTWISE else None)
                   or ("hookbench's FSDP2 rows train eager models (a compiled one is not "
@@ -103,7 +117,9 @@ def not_applicable(workload: Workload, steps: int, world: int,
         why.update(dict.fromkeys((e for e in engines if e.startswith("fsdp2")), common))
     if "deepspeed_zero2" in engines:
         why["deepspeed_zero2"] = (
-            deepspeed.cannot_train(workload)
+            (f"DeepSpeed reduces dense gradients, and {sparse} makes sparse ones" if sparse
+             else None)
+            or deepspeed.cannot_train(workload)
             or (f"DeepSpeed steps each rank's flat partition alone; {cls.__name__} is not known "
                 f"to update parameters elementwise" if cls not in ELEMENTWISE else None)
             or ("hookbench's DeepSpeed row trains eager models" if workload.compile is not None

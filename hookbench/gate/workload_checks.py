@@ -140,6 +140,9 @@ def forloop_options(workload: Workload) -> dict[str, Any]:
 def refusal(workload: Workload, strategy: str) -> str | None:
     """Why ``strategy`` refuses ``workload`` by design, or None."""
     cls = workload.optimizer[0]
+    if strategy == "zero2" and verdicts.sparse_gradients(workload):
+        return (f"ZeRO-2 refuses sparse gradients: it reduces flat dense buckets, and "
+                f"{verdicts.sparse_gradients(workload)} makes sparse ones")
     if strategy == "zero2" and cls not in ELEMENTWISE:
         return (f"ZeRO-2 refuses {cls.__name__}: it steps 1-D pieces of parameters, and "
                 f"{cls.__name__} is not known to update them elementwise")
@@ -392,7 +395,7 @@ def capture(workload: Workload) -> dict[str, dict[str, Any]]:
         problems = []
         if not torch.equal(loss, plain) or any(
                 (g is None) != (plain_grads[n] is None)
-                or (g is not None and not torch.equal(g, plain_grads[n]))
+                or (g is not None and not torch.equal(_dense(g), _dense(plain_grads[n])))
                 for n, g in grads.items()):
             problems.append("the captured step's loss or gradients differ from the plain step's")
         if records != calls[1]:
@@ -402,6 +405,11 @@ def capture(workload: Workload) -> dict[str, dict[str, Any]]:
         return {"records": records, "calls": calls[1], "problems": problems}
 
     return {f"{workload.name}/capture": attempt(run)}
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    # a sparse gradient (nn.EmbeddingBag(sparse=True)) compared as the dense one it stands for
+    return t.to_dense() if t.is_sparse else t
 
 
 def _hooks(model: torch.nn.Module) -> set[tuple[str, int]]:

@@ -137,7 +137,12 @@ class StorageTracker(TorchDispatchMode):
         return math.ceil(nbytes / self.round_to) * self.round_to
 
     def track(self, tensor: torch.Tensor, category: str | None = None) -> None:
-        """Count ``tensor``'s storage; with ``category``, (re)classify it."""
+        """Count ``tensor``'s storage; with ``category``, (re)classify it. A sparse COO
+        tensor (an ``nn.EmbeddingBag(sparse=True)`` gradient) is its indices and values."""
+        if tensor.is_sparse:
+            for part in (tensor._indices(), tensor._values()):
+                self.track(part, category)
+            return
         try:
             storage = tensor.untyped_storage()
         except (NotImplementedError, RuntimeError):  # sparse, nested: no plain storage
@@ -414,9 +419,8 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
     grads_alive: list[int] = [0]
 
     def count_gradients(grad: torch.Tensor) -> None:
-        alive = sum(tracker.rounded(p.grad.untyped_storage().nbytes())
-                    for p in trainable if p.grad is not None)
-        grads_alive[0] = max(grads_alive[0], alive + tracker.rounded(grad.nbytes))
+        alive = sum(tracker.rounded(_bytes(p.grad)) for p in trainable if p.grad is not None)
+        grads_alive[0] = max(grads_alive[0], alive + tracker.rounded(_bytes(grad)))
 
     after_backward: dict[str, int] = {}  # what is live when the last backward has ended
 
@@ -576,3 +580,10 @@ def _nvml_readings() -> dict[str, Any]:
     finally:
         with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
+
+
+def _bytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s storage: a sparse COO tensor's indices and values."""
+    if t.is_sparse:
+        return t._indices().nbytes + t._values().nbytes
+    return t.untyped_storage().nbytes()

@@ -596,6 +596,14 @@ def _check_arguments(model: Any, optimizer_class: Any, elementwise: Any,
             f"meaning. Use one of {[c.__name__ for c in ELEMENTWISE]}, or pass "
             f"elementwise=True if every element's update reads only its own gradient and "
             f"state")
+    sparse = [name for name, m in model.named_modules() if getattr(m, "sparse", False) is True
+              and any(p.requires_grad for p in m.parameters(recurse=False))]
+    if sparse:
+        raise ValueError(
+            f"ZeRO-2 reduces gradients as flat dense buckets, and {sparse[0]!r} "
+            f"({type(model.get_submodule(sparse[0])).__name__}(sparse=True)) makes sparse "
+            f"gradients: build it with sparse=False, or keep such tables out of ZeRO-2 "
+            f"(torch's DDP reduces sparse gradients)")
     if not dist.is_initialized():
         raise ValueError("torch.distributed is not initialized: call "
                          "dist.init_process_group first (torchrun sets the environment)")

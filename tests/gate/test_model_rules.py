@@ -244,3 +244,49 @@ def test_a_hook_that_fires_twice_is_still_caught_beside_a_shared_layer():
     # default tier)
     faulty = workload_checks.zero2([SHARED], fault="fires_twice", with_zero2=False)
     assert "'embed.weight': 2" in " ".join(faulty["shared/engines/fsdp2_zero2"]["problems"])
+
+
+class Recommender(nn.Module):
+    """DLRM's shape, as recommender code writes it: embedding bags with sparse gradients (sum
+    pooling), a dense bottom MLP, pairwise dot interactions, a top MLP; Adagrad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList(nn.EmbeddingBag(50, 8, mode="sum", sparse=True)
+                                    for _ in range(3))
+        self.bottom = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+        self.top = nn.Sequential(nn.Linear(8 + 6, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        x = self.bottom(dense)
+        z = torch.stack([x, *(t(ids[:, i]) for i, t in enumerate(self.tables))], 1)
+        upper = torch.triu_indices(4, 4, 1)
+        pairs = torch.bmm(z, z.transpose(1, 2))[:, upper[0], upper[1]]
+        return self.top(torch.cat([x, pairs], 1)).squeeze(1)
+
+
+def clicks(g: torch.Generator) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    return ((torch.randn(8, 4, generator=g), torch.randint(0, 50, (8, 3, 2), generator=g)),
+            torch.randint(0, 2, (8,), generator=g).float())
+
+
+RECOMMENDER = Workload("dlrm", model=Recommender, batch=clicks,
+                       loss=F.binary_cross_entropy_with_logits,
+                       optimizer=(torch.optim.Adagrad, {"lr": 0.05}))
+
+
+@pytest.mark.distributed
+def test_sparse_gradients_train_under_ddp_and_every_other_row_says_why_not():
+    rows = workload_checks.measure_all([RECOMMENDER])
+    assert {k: v for k, v in rows.items() if "error" in v or v.get("problems")} == {}
+    assert "vs one process on the ranks' shares: ok" in rows["dlrm/engines/ddp"]["parity"]
+    assert rows["dlrm/zero2"]["refused"].startswith(
+        "ValueError: ZeRO-2 reduces gradients as flat dense buckets, and 'tables.0' "
+        "(EmbeddingBag(sparse=True))")
+    for key in ("engines/fsdp2_zero2", "memory/fsdp2_zero3"):
+        assert rows[f"dlrm/{key}"] == {"not_applicable": (
+            "FSDP2 reduce-scatters dense gradients, and 'tables.0' "
+            "(EmbeddingBag(sparse=True)) makes sparse ones")}
+    # the sparse gradients are counted, as their indices and values
+    assert rows["dlrm/memory/foreach"]["breakdown"]["gradients"] > 0
+    assert rows["dlrm/capture"]["records"] > 0
