@@ -15,7 +15,7 @@ from hookbench.core import launch
 from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload
 from hookbench.gate.checks import Section, Verdict
-from hookbench.gate.workload_checks import DESIGNED, refusal
+from hookbench.gate.workload_checks import DESIGNED, refusal, say_warnings
 from hookbench.engines import references
 from hookbench.measure import zero2_runs
 from hookbench.measure.memory import (CATEGORIES, MemoryResult, format_bytes,
@@ -162,6 +162,7 @@ def workload_section(title: str, rows: dict[str, dict[str, Any]]) -> Section:
                 if value.get("fallback") else ""))
         else:
             section.add(True, key, value.get("parity", "the reference the others follow"))
+    say_warnings(section, rows)
     return section
 
 

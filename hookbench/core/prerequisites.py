@@ -9,9 +9,11 @@ on must never read as a pass.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import warnings
+from typing import Any, Callable, Iterator
 
-__all__ = ["MissingPrerequisite", "attempt", "one_line"]
+__all__ = ["MissingPrerequisite", "attempt", "one_line", "warnings_kept"]
 
 
 class MissingPrerequisite(Exception):
@@ -34,6 +36,24 @@ def one_line(e: BaseException) -> str:
     """``Type: message`` in one line, as a row shows an exception: no traceback (a failed
     rank's is summed up by its ``summary``: which rank, and its exception), the message's
     first line."""
-    text = getattr(e, "summary", None) or next(
-        (line.strip() for line in str(e).splitlines() if line.strip()), "")
-    return f"{type(e).__name__}: {text}"
+    return f"{type(e).__name__}: {getattr(e, 'summary', None) or _first_line(str(e))}"
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+@contextlib.contextmanager
+def warnings_kept(said: list[str]) -> Iterator[None]:
+    """The warnings raised in the block (torch's own, such as FSDP2's "returned a view tensor",
+    or the model's) appended to ``said`` as ``Category: first line``, each once, instead of
+    printed raw on the terminal (once per rank): a row says them in its detail."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for w in caught:
+                words = f"{w.category.__name__}: {_first_line(str(w.message))}"
+                if words not in said:
+                    said.append(words)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from hookbench.core.prerequisites import one_line
+from hookbench.core.prerequisites import one_line, warnings_kept
 from hookbench.core.workload import Workload
 from hookbench.engines import ddp, deepspeed, fsdp2
 from hookbench.measure import zero2_runs
@@ -58,23 +58,30 @@ def ranks(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, 
     """Each case on this rank, from one start of the ranks: ``{"engine": "ddp", ...}`` by
     ``ddp.trajectory``, ``"fsdp2"`` by ``fsdp2.trajectory``, any other by
     ``zero2_runs.trajectory`` (its keyword arguments). An engine run's ``fault`` is injected
-    around it; what it raises under a fault is returned, as ZeRO-2's is, so every rank ends."""
+    around it; what it raises under a fault is returned, as ZeRO-2's is, so every rank ends.
+    The warnings a run raised are in its result's ``warnings``, each once."""
     out = []
     for case in cases:
-        case = dict(case)
-        engine = case.pop("engine", "zero2")
-        if engine == "zero2":
-            out.append(zero2_runs.trajectory(rank, world, **case))
-            continue
-        fault = case.pop("fault", None)
-        try:
-            with inject(fault):
-                out.append(ENGINE_RUNS[engine](rank, world, **case))
-        except Exception as e:  # noqa: BLE001 - under a fault anything may break; say what
-            if fault is None:
-                raise
-            out.append({"error": f"{type(e).__name__}: {e}"})
+        said: list[str] = []  # torch's warnings go into the result, not onto the terminal
+        with warnings_kept(said):
+            out.append(_run(rank, world, dict(case)))
+        if said:
+            out[-1]["warnings"] = said
     return out
+
+
+def _run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
+    engine = case.pop("engine", "zero2")
+    if engine == "zero2":
+        return zero2_runs.trajectory(rank, world, **case)
+    fault = case.pop("fault", None)
+    try:
+        with inject(fault):
+            return ENGINE_RUNS[engine](rank, world, **case)
+    except Exception as e:  # noqa: BLE001 - under a fault anything may break; say what
+        if fault is None:
+            raise
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 ENGINE_RUNS = {"ddp": ddp.trajectory, "fsdp2": fsdp2.trajectory,

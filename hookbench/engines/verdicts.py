@@ -196,6 +196,8 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
                         else [])  # DeepSpeed's own hooks are its business: its parity is judged
             out[engine] = {"problems": problems + _ranks_agree(ranks),
                            "snapshots": ranks[0]["snapshots"]}
+        if ranks[0].get("warnings"):  # said in the row, not on the terminal
+            out[engine]["warnings"] = ranks[0]["warnings"]
     snaps = {e: row["snapshots"] for e, row in out.items() if "snapshots" in row}
     mixed = workload.precision == "bf16"
     if mixed and any(e.startswith("fsdp2") for e in snaps):

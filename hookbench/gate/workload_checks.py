@@ -64,7 +64,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from hookbench.core import launch
-from hookbench.core.prerequisites import attempt, one_line
+from hookbench.core.prerequisites import attempt, one_line, warnings_kept
 from hookbench.core.workload import Workload
 from hookbench.gate.baselines import fingerprint
 from hookbench.gate.checks import Run, Section, trajectory_verdict
@@ -77,10 +77,10 @@ from hookbench.measure.memory import measure_or_fall_back
 from hookbench.measure.parity import Tolerance, accepts, compare, tolerance, trajectory
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
-__all__ = ["BATCHES", "DESIGNED", "MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS", "bucket",
-           "capture", "engine_memory", "engine_rows", "engine_runs", "forloop_options",
-           "measure_all", "memory", "not_applicable", "refusal", "refused_words", "trajectories",
-           "zero2"]
+__all__ = ["BATCHES", "DESIGNED", "MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS",
+           "bucket", "capture", "engine_memory", "engine_rows", "engine_runs", "forloop_options",
+           "measure_all", "memory", "not_applicable", "refusal", "refused_words",
+           "say_warnings", "trajectories", "zero2"]
 
 FAULTS = None
 
@@ -221,8 +221,19 @@ def trajectories(workload: Workload) -> dict[str, dict[str, Any]]:
                     row["problems"].append(row["parity"])
             return row
 
-        out[f"{workload.name}/{strategy}"] = attempt(run)
+        out[f"{workload.name}/{strategy}"] = _row(run)
     return out
+
+
+def _row(measure: Any) -> dict[str, Any]:
+    """``attempt(measure)``, with the warnings it raised (torch's, the model's) in the row's
+    ``warnings``, each once, instead of on the terminal; a row from spawned ranks also has
+    rank 0's (``references.ranks``)."""
+    said: list[str] = []
+    with warnings_kept(said):
+        row = attempt(measure)
+    said += [w for w in row.get("warnings", []) if w not in said]
+    return {**row, "warnings": said} if said else row
 
 
 def bucket(workload: Workload) -> int:
@@ -262,7 +273,7 @@ def zero2_row(workload: Workload, case: dict[str, Any], got: list[dict[str, Any]
     t = _zero2_tolerance(workload)
     verdict = references.judge(workload, got[0]["snapshots"], ddp[0]["snapshots"], reference,
                                rounding, note, t, world)
-    return {**fingerprint(got[0]["snapshots"], SAMPLE),
+    return {**fingerprint(got[0]["snapshots"], SAMPLE), "warnings": got[0].get("warnings", []),
             "problems": problems + verdict["problems"], "parity": verdict["parity"],
             "noise_floor": verdict["noise_floor"],
             "tolerance": {"rtol": t.rtol, "atol": t.atol}}
@@ -283,7 +294,7 @@ def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 
                        timeout=timeout)
     out = engine_rows(engined, stopped, engine_cases, [rank[2 * len(cases):] for rank in ranks])
     for i, (w, case) in enumerate(zip(workloads, cases)):
-        out[f"{w.name}/zero2"] = attempt(lambda i=i, w=w, case=case: zero2_row(
+        out[f"{w.name}/zero2"] = _row(lambda i=i, w=w, case=case: zero2_row(
             w, case, [rank[i] for rank in ranks], [rank[len(cases) + i] for rank in ranks]))
     return out
 
@@ -352,7 +363,13 @@ def _engine_rows(w: Workload, kwargs: dict[str, Any], stopped: dict[str, dict[st
             rows["fsdp2_in_backward"] = {"problems": [f"refused: {got['refused']}"]}
         return rows
 
-    rows = attempt(judged)
+    said: list[str] = []
+    with warnings_kept(said):  # the single process's, while judging
+        rows = attempt(judged)
+    if said and "error" not in rows and "skipped" not in rows:
+        for row in rows.values():
+            row["warnings"] = [*row.get("warnings", []),
+                               *(w for w in said if w not in row.get("warnings", []))]
     if "error" in rows or "skipped" in rows:  # the judging itself stopped: every row says so
         return {f"{w.name}/engines/{e}": rows for e in engines}
     return {f"{w.name}/engines/{e}": stopped.get(e) or rows[e] for e in engines}
@@ -404,7 +421,7 @@ def capture(workload: Workload) -> dict[str, dict[str, Any]]:
             problems.append(f"hooks left on {left[:3]} after the capture closed")
         return {"records": records, "calls": calls[1], "problems": problems}
 
-    return {f"{workload.name}/capture": attempt(run)}
+    return {f"{workload.name}/capture": _row(run)}
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -457,7 +474,7 @@ def memory(workload: Workload) -> dict[str, dict[str, Any]]:
                     "gradients_alive_max": r.gradients_alive_max, "problems": problems,
                     "backend": r.backend, **({"fallback": fallback} if fallback else {})}
 
-        out[f"{workload.name}/memory/{strategy}"] = attempt(one)
+        out[f"{workload.name}/memory/{strategy}"] = _row(one)
     return out
 
 
@@ -499,7 +516,7 @@ def engine_memory(workload: Workload) -> dict[str, dict[str, Any]]:
                                            f"live, not below ZeRO-3's {amount(standard['states'])}")
             return row
 
-        out[key] = attempt(one)
+        out[key] = _row(one)
     return out
 
 
@@ -569,7 +586,20 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
             ok, verdict = trajectory_verdict(rec, value, Tolerance(**value["tolerance"]),
                                              run.machine_note)
             section.add(ok, key, "; ".join(filter(None, (verdict, value.get("parity")))))
+    say_warnings(section, now)
     names = {key.split("/")[0] for key in now}
     for key in sorted(k for k in set(base) - set(now) if k.split("/")[0] in names):
         section.add(False, key, "recorded, but not measured now (re-record on purpose)")
     return section
+
+
+def say_warnings(section: Section, now: dict[str, Any]) -> None:
+    """Each row's detail ends with the warnings its run raised, in a few words; a warning
+    already said on an earlier row is not repeated."""
+    said: set[str] = set()
+    for i, (cells, verdict) in enumerate(section.rows):
+        new = [w for w in (now.get(cells[0]) or {}).get("warnings", []) if w not in said]
+        said.update(new)
+        if new:
+            shown = "; ".join(w if len(w) <= 120 else w[:117] + "..." for w in new)
+            section.rows[i] = ((*cells[:-1], f"{cells[-1]}; warned: {shown}"), verdict)

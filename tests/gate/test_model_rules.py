@@ -290,3 +290,30 @@ def test_sparse_gradients_train_under_ddp_and_every_other_row_says_why_not():
     # the sparse gradients are counted, as their indices and values
     assert rows["dlrm/memory/foreach"]["breakdown"]["gradients"] > 0
     assert rows["dlrm/capture"]["records"] > 0
+
+
+class ViewOut(nn.Module):
+    """A forward that returns a view (a slice of the logits), on which FSDP2 warns, once per
+    rank: "FSDP2-wrapped module ... returned a view tensor"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Sequential(nn.Linear(6, 6), nn.Tanh()), nn.Linear(6, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)[:, :3]
+
+
+VIEW = Workload("view", model=ViewOut, batch=features, loss=F.cross_entropy)
+
+
+@pytest.mark.distributed
+def test_torchs_warnings_go_into_the_rows_detail_once_not_raw_onto_the_terminal(capfd):
+    rows = workload_checks.zero2([VIEW], with_zero2=False)
+    out, err = capfd.readouterr()
+    assert "returned a view tensor" not in out + err
+    warned = rows["view/engines/fsdp2_zero2"]["warnings"]
+    assert len(warned) == 1 and warned[0].startswith("UserWarning: FSDP2-wrapped module")
+    section = workload_checks.judge(rows, rows, workload_checks.Run())
+    details = [cells[-1] for cells, _ in section.rows]
+    assert sum("returned a view tensor" in d for d in details) == 1, details  # said once
