@@ -472,26 +472,32 @@ def memory(workload: Workload) -> dict[str, dict[str, Any]]:
                 problems.append(f"holds every gradient at once ({r.gradients_alive_max} B)")
             return {"peak": r.peak, "breakdown": r.peak_breakdown,
                     "gradients_alive_max": r.gradients_alive_max, "problems": problems,
+                    "kept_after_backward": r.kept_after_backward,
                     "backend": r.backend, **({"fallback": fallback} if fallback else {})}
 
         out[f"{workload.name}/memory/{strategy}"] = _row(one)
     return out
 
 
-def engine_memory(workload: Workload) -> dict[str, dict[str, Any]]:
+def engine_memory(workload: Workload, kept: int | None = None) -> dict[str, dict[str, Any]]:
     """``name/memory/fsdp2_<setting>``: rank 0 of ``engines.memory.WORLD``'s peak under FSDP2
     on fake tensors, against its bound (``hookbench.engines.memory``); the optimizer in backward
     also never above FSDP2 ZeRO-3 with a standard step, and below it when backward has
     ended. Where FSDP2 does not apply (``verdicts.not_applicable``), so says the row; where
     this torch's FSDP2 cannot train on the CPU (``fsdp2.cannot_train_on_cpu``; the simulated
     rank is the CPU, GPUs or not), the row fails saying why; where the optimizer in backward
-    refuses, its trajectory row says so and there is none."""
+    refuses, its trajectory row says so and there is none. ``kept``: what the model keeps
+    itself when backward has ended (``MemoryResult.kept_after_backward`` of its standard step;
+    None: measured here), the slack of the end-of-backward bound."""
     on_cpu = fsdp2.cannot_train_on_cpu()
     stopped = {**{f"fsdp2_{s}": {"error": on_cpu} for s in fsdp2.SETTINGS if on_cpu},
                **{e: {"not_applicable": why} for e, why in
                   verdicts.not_applicable(workload, STEPS, ZERO2_RANKS).items()}}
     eager = workload.replace(compile=None)
     out: dict[str, dict[str, Any]] = {}
+    if kept is None and len(stopped) < len(fsdp2.SETTINGS):
+        kept = measure_or_fall_back(eager, "forloop", optimizer_class=workload.optimizer[0],
+                                    optimizer_kwargs=workload.optimizer[1])[0].kept_after_backward
     for setting in fsdp2.SETTINGS:
         key = f"{workload.name}/memory/fsdp2_{setting}"
         if f"fsdp2_{setting}" in stopped:
@@ -503,7 +509,7 @@ def engine_memory(workload: Workload) -> dict[str, dict[str, Any]]:
 
         def one(setting: str = setting) -> dict[str, Any]:
             try:
-                row = rank_peak(eager, setting)
+                row = rank_peak(eager, setting, kept=kept or 0)
             except Refused as e:
                 return {"torch_refuses": str(e)}
             standard = out.get(f"{workload.name}/memory/fsdp2_zero3", {})
@@ -538,8 +544,10 @@ def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str
                                                      for engine in verdicts.ENGINES))})
     for w in workloads:
         out.update(capture(w))
-        out.update(memory(w))
-        out.update(engine_memory(w))
+        rows = memory(w)
+        out.update(rows)
+        standard = next((r for k, r in rows.items() if "kept_after_backward" in r), None)
+        out.update(engine_memory(w, standard and standard["kept_after_backward"]))
     return out
 
 

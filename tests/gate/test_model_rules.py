@@ -317,3 +317,35 @@ def test_torchs_warnings_go_into_the_rows_detail_once_not_raw_onto_the_terminal(
     section = workload_checks.judge(rows, rows, workload_checks.Run())
     details = [cells[-1] for cells, _ in section.rows]
     assert sum("returned a view tensor" in d for d in details) == 1, details  # said once
+
+
+class KeepsItsState(nn.Module):
+    """A model that keeps a tensor from its forward until the next one (a recurrent or
+    state-space model's last state, a cache): live when backward has ended, beside its
+    states."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(nn.Sequential(nn.Linear(6, 64), nn.Tanh()),
+                                    nn.Linear(64, 3))
+        self.last_state: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.blocks[0](x)
+        self.last_state = hidden.detach().clone()
+        return self.blocks[1](hidden)
+
+
+KEEPS = Workload("keeps", model=KeepsItsState, batch=features, loss=F.cross_entropy)
+
+
+def test_the_end_of_backward_bound_has_the_models_own_kept_bytes_as_its_stated_slack():
+    rows = workload_checks.memory(KEEPS)
+    kept = rows["keeps/memory/foreach"]["kept_after_backward"]
+    assert kept == 1024  # 4 x 64 float32, rounded to 512 B blocks (the fake backend's)
+    held = workload_checks.engine_memory(KEEPS, kept)
+    assert all(row["problems"] == [] for row in held.values()), held
+    # without it, the model's own state reads as a state that should not be there
+    equality = workload_checks.engine_memory(KEEPS, 0)
+    assert any("outside the model states'" in p for row in equality.values()
+               for p in row["problems"]), equality
