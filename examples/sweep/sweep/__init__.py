@@ -1,0 +1,1 @@
+"""The sweep's architectures (``sweep.architectures``), run by ``examples/sweep/run.py``."""
