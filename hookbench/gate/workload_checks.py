@@ -140,9 +140,10 @@ def forloop_options(workload: Workload) -> dict[str, Any]:
 def refusal(workload: Workload, strategy: str) -> str | None:
     """Why ``strategy`` refuses ``workload`` by design, or None."""
     cls = workload.optimizer[0]
-    if strategy == "zero2" and verdicts.sparse_gradients(workload):
+    sparse = verdicts.sparse_gradients(workload) if strategy == "zero2" else None
+    if sparse:
         return (f"ZeRO-2 refuses sparse gradients: it reduces flat dense buckets, and "
-                f"{verdicts.sparse_gradients(workload)} makes sparse ones")
+                f"{sparse} makes sparse ones")
     if strategy == "zero2" and cls not in ELEMENTWISE:
         return (f"ZeRO-2 refuses {cls.__name__}: it steps 1-D pieces of parameters, and "
                 f"{cls.__name__} is not known to update them elementwise")
