@@ -257,11 +257,59 @@ def measure(run: Run) -> dict[str, Any]:
     return out
 
 
+# A ratio above its slack is measured again, up to CONFIRMATIONS more times, and the lowest
+# measurement is judged. Another process on the machine only ever slows a step down, so a
+# disturbed measurement is outvoted by an undisturbed one, while a step that really became
+# slower is slow in every measurement. Seen on a CI runner: the grouped ratio at 2.48x (the
+# median of three, recorded 1.17x) in a gate that otherwise held.
+CONFIRMATIONS = 2
+REMEASURED = "remeasured"  # the time section's key for what was measured again, per ratio
+
+
+def _measure_again(keys: set[str]) -> dict[str, Any]:
+    """A fresh measurement of the ratios ``keys`` (and of the others measured with them)."""
+    out: dict[str, Any] = {}
+    if keys & {"in_backward_grouped_vs_foreach", "in_backward_bucketed_vs_foreach"}:
+        out.update(grouped_targets(floor=False))
+    if "capture_stats_vs_plain" in keys:
+        out.update(capture_targets(floor=False))
+    if any(key.startswith("whole_step_") for key in keys):
+        out.update(whole_step_ratios(GATED_WHOLE_STEP_MODEL, rounds=5))
+    return out
+
+
+def _slower(base: dict, now: dict, slack: float) -> set[str]:
+    return {key for key, ratio in now.items() if isinstance(ratio, float)
+            and isinstance(base.get(key), float) and ratio > base[key] * (1 + slack)}
+
+
+def confirm(base: dict, now: dict, slack: float,
+            again: Callable[[set[str]], dict[str, Any]] = _measure_again) -> dict:
+    """``now`` (the time section's ratios) with each ratio above ``slack`` over ``base``
+    measured again by ``again``, up to ``CONFIRMATIONS`` times or until it holds, and replaced
+    by the lowest of its measurements; those listed under ``REMEASURED``."""
+    now = dict(now)
+    seen: dict[str, list[float]] = {}
+    for _ in range(CONFIRMATIONS):
+        if not (slower := _slower(base, now, slack)):
+            break
+        fresh = again(slower)
+        for key in slower:
+            seen.setdefault(key, [now[key]])
+            if isinstance(fresh.get(key), float):
+                seen[key].append(fresh[key])
+                now[key] = min(seen[key])
+    return {**now, REMEASURED: seen} if seen else now
+
+
 def judge(base: dict, now: dict, run: Run) -> Section:
     slack = run.time_slack
     section = Section(f"Step-time ratios against the baseline; fails {slack:.0%} above it",
                       ("ratio", "recorded", "now", "verdict"))
+    remeasured = now.get(REMEASURED, {})
     for key, ratio in now.items():
+        if key == REMEASURED:
+            continue
         rec = base.get(key)
         if section.add_stopped(ratio, key):
             continue
@@ -272,5 +320,8 @@ def judge(base: dict, now: dict, run: Run) -> Section:
         target = TIME_TARGETS[key]
         section.add(ok, key, f"{rec:.2f}x", f"{ratio:.2f}x",
                     ("holds" if ok else f"SLOWER: {ratio / rec - 1:+.0%} over the recorded ratio")
-                    + f"; target {target:.2f}x {'met' if ratio <= target else 'missed'}")
+                    + f"; target {target:.2f}x {'met' if ratio <= target else 'missed'}"
+                    + (f"; lowest of {len(remeasured[key])} measurements ("
+                       + ", ".join(f"{r:.2f}x" for r in remeasured[key]) + ")"
+                       if key in remeasured else ""))
     return section
