@@ -39,7 +39,8 @@ from hookbench.measure.zero2_runs import local_batch, rank_device
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 
 __all__ = ["SETTINGS", "api", "cannot_train_on_cpu", "hook_problems", "peer_trajectory",
-           "remove_hooks", "shard", "repeated_units", "trajectory", "unit_runs", "units"]
+           "called_outside", "remove_hooks", "shard", "repeated_units", "trajectory", "unit_runs",
+           "units"]
 
 SETTINGS = {"zero2": {"reshard_after_forward": False, "in_backward": False},
             "zero3": {"reshard_after_forward": True, "in_backward": False},
@@ -92,50 +93,96 @@ def cannot_train_on_cpu() -> str | None:
     return None
 
 
-def units(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The modules sharded as units of their own (the root aside): every block of an
-    ``nn.ModuleList`` or ``nn.Sequential`` (an element with submodules of its own: a
-    transformer layer, a ResNet block, not a lone Linear) whose trainable parameters no module
-    outside it also holds (tied embeddings), outermost first."""
+def _blocks(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Every module that could be a unit, by name: an element of an ``nn.ModuleList`` or
+    ``nn.Sequential`` with submodules of its own (a transformer layer, a ResNet block, not a
+    lone Linear), at any depth."""
+    return {f"{name}.{i}" if name else str(i): block for name, module in model.named_modules()
+            if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential))
+            for i, block in enumerate(module) if next(block.children(), None) is not None}
+
+
+def units(model: torch.nn.Module, keep_whole: frozenset[str] = frozenset()
+          ) -> list[torch.nn.Module]:
+    """The modules sharded as units of their own (the root aside): every block (``_blocks``)
+    whose trainable parameters no module outside it also holds (tied embeddings), outermost
+    first; not those named in ``keep_whole`` (``called_outside``), whose parameters stay with
+    their parent's unit."""
     owners: dict[int, set[int]] = {}
     for module in model.modules():
         for p in module.parameters(recurse=False):
             owners.setdefault(id(p), set()).add(id(module))
     found: list[torch.nn.Module] = []
     inside: set[int] = set()
-    for module in model.modules():
-        if (not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential))
-                or id(module) in inside):
-            continue
-        for block in module:
-            own = {id(m) for m in block.modules()}
-            params = [p for p in block.parameters() if p.requires_grad]
-            if (next(block.children(), None) is not None and params
-                    and all(owners[id(p)] <= own for p in params)):
-                found.append(block)
-                inside |= own
+    for name, block in _blocks(model).items():
+        own = {id(m) for m in block.modules()}
+        params = [p for p in block.parameters() if p.requires_grad]
+        if (id(block) not in inside and name not in keep_whole and params
+                and all(owners[id(p)] <= own for p in params)):
+            found.append(block)
+            inside |= own
     return found
 
 
 @functools.lru_cache(maxsize=16)  # asked by each FSDP2 row of a workload; one forward each
-def unit_runs(workload: Any) -> dict[str, int]:
-    """Trainable parameter name -> how often the unit that holds it (``units``, else the root)
-    runs in one training forward of batch 0: FSDP2 reduces a unit's gradients and calls their
-    post-accumulate-grad hooks once per run (seen: in pieces, up to once per run), so that is
-    how often each hook may fire per synced backward. One eager forward in this process."""
+def _probe(workload: Any) -> tuple[frozenset[str], dict[str, int]]:
+    """One eager training forward of batch 0 in this process: the blocks (``_blocks``) one of
+    whose modules is called while the block itself is not running, and, for the units left
+    (``units``), how often each trainable parameter's unit (else the root) runs.
+
+    A block called from outside cannot be a unit: FSDP2 gathers a unit's parameters only
+    around its own forward, so the call sees sharded DTensors and raises (diffusers' DiT: its
+    root calls ``transformer_blocks.0.norm1.emb`` for the conditioning, "aten.addmm.default
+    got mixed torch.Tensor and DTensor"). Its parameters stay with its parent's unit, as a
+    user would wrap it."""
     model = workload.build()
-    blocks = units(model)
-    runs = [0] * len(blocks)
-    handles = [b.register_forward_pre_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
-               for i, b in enumerate(blocks)]
+    blocks = list(_blocks(model).items())
+    running, runs = [0] * len(blocks), [0] * len(blocks)
+    containing: dict[int, list[int]] = {}
+    for i, (_, block) in enumerate(blocks):
+        for module in block.modules():
+            containing.setdefault(id(module), []).append(i)
+    outside: set[str] = set()
+
+    def enter(i: int) -> None:
+        running[i] += 1
+        runs[i] += 1
+
+    def called(module: torch.nn.Module) -> None:
+        outside.update(blocks[i][0] for i in containing[id(module)] if not running[i])
+
+    handles = [h for i, (_, block) in enumerate(blocks) for h in (
+        block.register_forward_pre_hook(lambda *_, i=i: enter(i)),
+        block.register_forward_hook(lambda *_, i=i: running.__setitem__(i, running[i] - 1),
+                                    always_call=True))]
+    # after the blocks' own: a block's call of itself counts as inside it
+    handles += [m.register_forward_pre_hook(lambda m, _: called(m)) for m in model.modules()
+                if id(m) in containing]
     try:
         x, y = workload.data(0)
         workload.compute_loss(model, x, y, (0, 0))
     finally:
         for h in handles:
             h.remove()
-    owner = {id(p): runs[i] for i, b in enumerate(blocks) for p in b.parameters()}
-    return {n: owner.get(id(p), 1) for n, p in model.named_parameters() if p.requires_grad}
+    keep_whole = frozenset(outside)
+    count = {id(block): runs[i] for i, (_, block) in enumerate(blocks)}
+    owner = {id(p): count[id(b)] for b in units(model, keep_whole) for p in b.parameters()}
+    return keep_whole, {n: owner.get(id(p), 1) for n, p in model.named_parameters()
+                        if p.requires_grad}
+
+
+def called_outside(workload: Any) -> frozenset[str]:
+    """The blocks of ``workload``'s model that cannot be FSDP2 units: one of their modules is
+    called outside their forward (``_probe``)."""
+    return _probe(workload)[0]
+
+
+def unit_runs(workload: Any) -> dict[str, int]:
+    """Trainable parameter name -> how often the unit that holds it (``units``, else the root)
+    runs in one training forward of batch 0 (``_probe``): FSDP2 reduces a unit's gradients and
+    calls their post-accumulate-grad hooks once per run (seen: in pieces, up to once per run),
+    so that is how often each hook may fire per synced backward."""
+    return _probe(workload)[1]
 
 
 def repeated_units(workload: Any) -> str | None:
@@ -152,12 +199,13 @@ def repeated_units(workload: Any) -> str | None:
 
 
 def shard(model: torch.nn.Module, mesh: Any, reshard_after_forward: bool,
-          param_dtype: torch.dtype | None) -> list[torch.nn.Module]:
-    """``fully_shard`` every unit and the root; the units besides the root."""
+          param_dtype: torch.dtype | None, keep_whole: frozenset[str] = frozenset()
+          ) -> list[torch.nn.Module]:
+    """``fully_shard`` every unit (``units``) and the root; the units besides the root."""
     fsdp = api()
     policy = fsdp.MixedPrecisionPolicy(param_dtype=param_dtype,
                                        reduce_dtype=torch.float32 if param_dtype else None)
-    blocks = units(model)
+    blocks = units(model, keep_whole)
     for block in blocks:
         fsdp.fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
                          mp_policy=policy)
@@ -223,7 +271,7 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     try:
         blocks = wrapping("fully_shard", lambda: shard(model, mesh,
                                                        settings["reshard_after_forward"],
-                                                       param_dtype))
+                                                       param_dtype, called_outside(spec)))
     except Refused as e:  # on every rank alike: the same model, the same words
         return {"torch_refuses": str(e), "error": None}
     names = {p: n for n, p in model.named_parameters()}
@@ -309,15 +357,23 @@ def hook_problems(after_backward: list[dict[str, Any]], runs: dict[str, int],
     often where a unit runs several times, as FSDP2 may reduce such a unit's pieces
     together), or called with another gradient than its reduced shard; a hook called in a
     backward without sync; a gathered gradient left; in backward, a shard's gradient left
-    after its step."""
+    after its step.
+
+    A shard without a gradient after a synced backward (a module this forward did not use:
+    an unused pooler, an expert no token was routed to, a dropped layer) is not reduced, and
+    its hook is not called: it may be called 0 times. With the optimizer in backward every
+    gradient is gone after its step, so any hook may be called 0 times there, and a hook that
+    was due and not called shows as the shard gradient it leaves behind."""
     for i, seen in enumerate(after_backward):
         calls = seen["hook_calls"]
         if not seen["synced"]:
             if calls:
                 return [f"backward {i} without gradient sync: hooks called on {sorted(calls)[:3]}"]
             continue
+        grads = set(seen["shard_grads"])
         wrong = {n: calls.get(n, 0) for n, k in runs.items()
-                 if not min(1, k) <= calls.get(n, 0) <= max(1, k)}
+                 if not (0 if in_backward or n not in grads else min(1, k))
+                 <= calls.get(n, 0) <= max(1, k)}
         if wrong:
             shown = dict(list(wrong.items())[:3])
             expected = {n: runs[n] for n in list(wrong)[:3]}

@@ -40,7 +40,8 @@ def wrapping(engine: str, wrap: Callable[[], Any]) -> Any:
     try:
         return wrap()
     except (ValueError, NotImplementedError) as e:
-        raise Refused(f"{engine}: {type(e).__name__}: {e}") from None
+        # torch's words whole, on one line (a refused module's repr spans several)
+        raise Refused(f"{engine}: {type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
 def train(rank: int, world: int, spec: Workload, model: torch.nn.Module, wrapped: Any,

@@ -77,6 +77,12 @@ def memory_verdict(rec: dict | None, value: dict, device: str) -> tuple[bool, st
         if "gradients_alive_max" in value:
             pairs.append(("gradients alive", rec.get("gradients_alive_max", 0),
                           value["gradients_alive_max"]))
+        # FSDP2's rows: what was live when backward ended (``engines.memory.rank_peak``); what
+        # activations and temporaries stay live then has no formula, the baseline holds it
+        pairs += [(what, rec[key], value[key]) for key, what in (
+            ("states", "model states when backward ended"),
+            ("left", "activations and temporaries when backward ended"))
+            if key in rec and key in value]
     over = [f"{what} {amount(n)} > recorded {amount(r)}" + (f" ({n / r - 1:+.1%})" if r else "")
             for what, r, n in pairs if n > r * (1 + slack) + (0 if r else 512)]
     # Exact counting makes a drop as telling as a rise: memory that vanished is a tracker

@@ -233,9 +233,6 @@ class MemoryResult:
     # Live bytes by category when the measured step's backward has ended, before the
     # optimizer: the model states (parameters, gradients, optimizer state) the ZeRO paper counts.
     after_backward: dict[str, int]
-    # Of that, what the model itself keeps besides its states and the batch (activations and
-    # temporaries still live: a cache it holds from its forward; autograd freed the rest).
-    kept_after_backward: int
     # The least any implementation of this strategy could need: parameters and optimizer state
     # live throughout; the peak activations must coexist with them at the end of forward, and
     # the gradients the strategy needs at once (all of them for a standard step, one parameter's
@@ -426,7 +423,6 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         grads_alive[0] = max(grads_alive[0], alive + tracker.rounded(_bytes(grad)))
 
     after_backward: dict[str, int] = {}  # what is live when the last backward has ended
-    kept = [0]
 
     def one_step(index: int) -> None:
         tracker.phase = "data"
@@ -443,10 +439,6 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         classify()
         after_backward.clear()
         after_backward.update(zip(CATEGORIES, (tracker.totals[c] for c in CATEGORIES)))
-        # what the model itself keeps beside its states and the batch once backward has ended
-        # (a cache it holds from its forward; autograd has freed the rest)
-        batch = sum(tracker.rounded(_bytes(t)) for t in tree_leaves((x, y)) if torch.is_tensor(t))
-        kept[0] = max(0, after_backward["activations"] + after_backward["temporaries"] - batch)
         tracker.phase = "optimizer"
         started.step()
         classify()
@@ -493,7 +485,6 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         gradients_alive_max=grads_alive[0],
         activations_peak=activations_peak,
         after_backward=after_backward,
-        kept_after_backward=kept[0],
         floor=floor["parameters"] + floor["optimizer_state"]
         + max(floor["activations_peak"], floor["gradients_needed"]),
         floor_breakdown=floor,

@@ -103,10 +103,14 @@ def test_shard_gradients_kept_past_their_step_fail_the_optimizer_in_backward(mon
 
     monkeypatch.setattr(optimizer_in_backward.OptimizerInBackward, "_finish", keeping)
     try:
-        row = rank_peak(TRANSFORMER, "in_backward")
+        rows = workload_checks.engine_memory(TRANSFORMER)
     finally:
         kept.clear()
-    assert row["problems"], row
+    # more activations and temporaries live when backward ended than FSDP2's standard step
+    # leaves on the same model: the kept gradients (rank_peak alone has no yardstick for them)
+    row = rows[f"{TRANSFORMER.name}/memory/fsdp2_in_backward"]
+    assert any("of activations and temporaries live, more than ZeRO-3's" in p
+               for p in row["problems"]), row["problems"]
 
 
 def test_an_unknown_setting_is_refused():
