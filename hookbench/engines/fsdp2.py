@@ -12,7 +12,8 @@ Under the workload's bf16, ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_d
 the fp32 shards are the masters, what torchtitan's default does. Each repeated block (an element
 of an ``nn.ModuleList``, a transformer layer, a ResNet stage's block) is a unit of its own,
 then the root, as torchtitan shards a model; a block whose parameters are shared with a module
-outside it (tied embeddings) stays in its parent's unit.
+outside it (tied embeddings), or one of whose modules is called outside its forward (DiT's
+conditioning embedding, called by the root), stays in its parent's unit.
 
     trajectory   on every rank: the full parameters after every step and, per backward, the
                  calls of a counting post-accumulate-grad hook on every shard, what the hook
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import of
 from hookbench.engines.loop import Refused, train, wrapping
+from hookbench.measure.memory import materialize
 from hookbench.measure.zero2_runs import local_batch, rank_device
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 
@@ -97,9 +99,10 @@ def _blocks(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
     """Every module that could be a unit, by name: an element of an ``nn.ModuleList`` or
     ``nn.Sequential`` with submodules of its own (a transformer layer, a ResNet block, not a
     lone Linear), at any depth."""
-    return {f"{name}.{i}" if name else str(i): block for name, module in model.named_modules()
+    return {f"{name}.{key}" if name else key: block for name, module in model.named_modules()
             if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential))
-            for i, block in enumerate(module) if next(block.children(), None) is not None}
+            for key, block in module.named_children()
+            if next(block.children(), None) is not None}
 
 
 def units(model: torch.nn.Module, keep_whole: frozenset[str] = frozenset()
@@ -125,45 +128,55 @@ def units(model: torch.nn.Module, keep_whole: frozenset[str] = frozenset()
 
 
 @functools.lru_cache(maxsize=16)  # asked by each FSDP2 row of a workload; one forward each
-def _probe(workload: Any) -> tuple[frozenset[str], dict[str, int]]:
-    """One eager training forward of batch 0 in this process: the blocks (``_blocks``) one of
-    whose modules is called while the block itself is not running, and, for the units left
-    (``units``), how often each trainable parameter's unit (else the root) runs.
+def _probe(workload: Any, fake: bool = False) -> tuple[frozenset[str], dict[str, int]]:
+    """One eager training forward of batch 0 in this process (on fake tensors: ``fake``, for
+    a model too large to run): the blocks (``_blocks``) one of whose modules is called while
+    the block itself is not running, and, for the units left (``units``), how often each
+    trainable parameter's unit (else the root) runs.
 
     A block called from outside cannot be a unit: FSDP2 gathers a unit's parameters only
     around its own forward, so the call sees sharded DTensors and raises (diffusers' DiT: its
     root calls ``transformer_blocks.0.norm1.emb`` for the conditioning, "aten.addmm.default
     got mixed torch.Tensor and DTensor"). Its parameters stay with its parent's unit, as a
     user would wrap it."""
-    model = workload.build()
-    blocks = list(_blocks(model).items())
-    running, runs = [0] * len(blocks), [0] * len(blocks)
-    containing: dict[int, list[int]] = {}
-    for i, (_, block) in enumerate(blocks):
-        for module in block.modules():
-            containing.setdefault(id(module), []).append(i)
-    outside: set[str] = set()
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    def enter(i: int) -> None:
-        running[i] += 1
-        runs[i] += 1
+    with contextlib.ExitStack() as stack:
+        if fake:
+            with torch.device("meta"):
+                model = workload.build()
+            stack.enter_context(FakeTensorMode())
+            materialize(model)
+        else:
+            model = workload.build()
+        blocks = list(_blocks(model).items())
+        running, runs = [0] * len(blocks), [0] * len(blocks)
+        containing: dict[int, list[int]] = {}
+        for i, (_, block) in enumerate(blocks):
+            for module in block.modules():
+                containing.setdefault(id(module), []).append(i)
+        outside: set[str] = set()
 
-    def called(module: torch.nn.Module) -> None:
-        outside.update(blocks[i][0] for i in containing[id(module)] if not running[i])
+        def enter(i: int) -> None:
+            running[i] += 1
+            runs[i] += 1
 
-    handles = [h for i, (_, block) in enumerate(blocks) for h in (
-        block.register_forward_pre_hook(lambda *_, i=i: enter(i)),
-        block.register_forward_hook(lambda *_, i=i: running.__setitem__(i, running[i] - 1),
-                                    always_call=True))]
-    # after the blocks' own: a block's call of itself counts as inside it
-    handles += [m.register_forward_pre_hook(lambda m, _: called(m)) for m in model.modules()
-                if id(m) in containing]
-    try:
-        x, y = workload.data(0)
-        workload.compute_loss(model, x, y, (0, 0))
-    finally:
-        for h in handles:
-            h.remove()
+        def called(module: torch.nn.Module) -> None:
+            outside.update(blocks[i][0] for i in containing[id(module)] if not running[i])
+
+        handles = [h for i, (_, block) in enumerate(blocks) for h in (
+            block.register_forward_pre_hook(lambda *_, i=i: enter(i)),
+            block.register_forward_hook(lambda *_, i=i: running.__setitem__(i, running[i] - 1),
+                                        always_call=True))]
+        # after the blocks' own: a block's call of itself counts as inside it
+        handles += [m.register_forward_pre_hook(lambda m, _: called(m)) for m in model.modules()
+                    if id(m) in containing]
+        try:
+            x, y = workload.data(0)
+            workload.compute_loss(model, x, y, (0, 0))
+        finally:
+            for h in handles:
+                h.remove()
     keep_whole = frozenset(outside)
     count = {id(block): runs[i] for i, (_, block) in enumerate(blocks)}
     owner = {id(p): count[id(b)] for b in units(model, keep_whole) for p in b.parameters()}
@@ -171,10 +184,10 @@ def _probe(workload: Any) -> tuple[frozenset[str], dict[str, int]]:
                         if p.requires_grad}
 
 
-def called_outside(workload: Any) -> frozenset[str]:
+def called_outside(workload: Any, fake: bool = False) -> frozenset[str]:
     """The blocks of ``workload``'s model that cannot be FSDP2 units: one of their modules is
-    called outside their forward (``_probe``)."""
-    return _probe(workload)[0]
+    called outside their forward (``_probe``; on fake tensors: ``fake``)."""
+    return _probe(workload, fake)[0]
 
 
 def unit_runs(workload: Any) -> dict[str, int]:
@@ -268,10 +281,11 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     model = spec.build().to(device)
     mesh = init_device_mesh(torch.device(device).type, (world,))
     param_dtype = torch.bfloat16 if spec.precision == "bf16" else None
+    keep_whole = called_outside(spec.replace(compile=None))  # what it raises is no refusal
     try:
         blocks = wrapping("fully_shard", lambda: shard(model, mesh,
                                                        settings["reshard_after_forward"],
-                                                       param_dtype, called_outside(spec)))
+                                                       param_dtype, keep_whole))
     except Refused as e:  # on every rank alike: the same model, the same words
         return {"torch_refuses": str(e), "error": None}
     names = {p: n for n, p in model.named_parameters()}

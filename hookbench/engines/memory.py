@@ -101,12 +101,12 @@ def _padded(p: torch.Tensor, world: int) -> int:
     return math.ceil(rows / world) * (p.numel() // max(rows, 1))
 
 
-def _gradients(workload: Workload, fake: bool) -> tuple[set[str], set[str]]:
-    """The trainable parameters that get a gradient in the last of ``_STEPS`` backwards, and
-    those that get one in any: in one process, without FSDP2, on the batches and random
-    numbers ``_run`` trains on (on fake tensors where it runs on them). A module the forward
-    does not use (an unused pooler, an expert no token was routed to) gets no gradient, so no
-    shard of one, and no optimizer state until it does."""
+def _gradients(workload: Workload, fake: bool) -> list[set[str]]:
+    """Per backward of ``_STEPS``, the trainable parameters that get a gradient: in one
+    process, without FSDP2, on the batches and random numbers ``_run`` trains on (on fake
+    tensors where it runs on them). A module the forward does not use (an unused pooler, an
+    expert no token was routed to) gets no gradient, so no shard of one, and no optimizer
+    state until it has had one."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with contextlib.ExitStack() as stack:
@@ -117,45 +117,64 @@ def _gradients(workload: Workload, fake: bool) -> tuple[set[str], set[str]]:
             materialize(model)
         else:
             model = workload.build()
-        last: set[str] = set()
-        ever: set[str] = set()
+        got = []
         for i in range(_STEPS):
             model.zero_grad(set_to_none=True)
             x, y = workload.data(i)
             workload.compute_loss(model, x, y, (i, 0)).backward()
-            last = {n for n, p in model.named_parameters() if p.grad is not None}
-            ever |= last
-    return last, ever
+            got.append({n for n, p in model.named_parameters() if p.grad is not None})
+    return got
+
+
+def _shards(model: torch.nn.Module, world: int, groups: list[list[torch.nn.Parameter]],
+            have: set[str]) -> list[list[int]]:
+    """Per unit, the shard elements of its parameters named in ``have``."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[_padded(p, world) for p in g if names[id(p)] in have] for g in groups]
+
+
+def _states(model: torch.nn.Module, world: int, groups: list[list[torch.nn.Parameter]],
+            setting: str, optimizer: tuple[int, int], with_grad: set[str], stepped: set[str]
+            ) -> dict[str, int]:
+    """The paper's model states on a rank: the shards of every parameter, of the gradients of
+    ``with_grad`` (with the optimizer in backward, only the largest unit's at once) and of the
+    optimizer state of ``stepped``."""
+    grads, state = (_shards(model, world, groups, have) for have in (with_grad, stepped))
+    per_element, per_tensor = optimizer
+    return {"sharded parameters": 4 * sum(_padded(p, world) for g in groups for p in g),
+            "sharded gradients": 4 * (max(map(sum, grads)) if setting == "in_backward"
+                                      else sum(map(sum, grads))),
+            "optimizer state": per_element * sum(map(sum, state))
+            + per_tensor * sum(map(len, state))}
 
 
 def _predicted(model: torch.nn.Module, blocks: list[torch.nn.Module], world: int,
                setting: str, param_bytes: int, optimizer: tuple[int, int],
-               gradients: tuple[set[str], set[str]]) -> dict[str, int]:
-    """The bound's predicted terms, on a model before ``fully_shard``; ``gradients``: the
-    parameters with a gradient when the last backward has ended, and those with one in any
-    (``_gradients``)."""
-    names = {id(p): n for n, p in model.named_parameters()}
+               gradients: list[set[str]]) -> tuple[dict[str, int], int]:
+    """The bound's predicted terms, on a model before ``fully_shard``, and the model states
+    live when the last backward has ended; ``gradients``: the parameters that get one, per
+    backward (``_gradients``). At the peak, any backward's gradients and state; when the last
+    backward has ended, its gradients (none with the optimizer in backward, which has stepped
+    and freed them) and the state of what was stepped before it (and in it, in backward)."""
     in_blocks = {id(p) for b in blocks for p in b.parameters()}
     groups = [list(b.parameters()) for b in blocks] + [
         [p for p in model.parameters() if id(p) not in in_blocks]]
+    ever = set().union(*gradients)
+    before = set().union(*gradients[:-1])
+    in_backward = setting == "in_backward"
+    states = _states(model, world, groups, setting, optimizer, ever, ever)
+    at_end = _states(model, world, groups, setting, optimizer, set() if in_backward
+                     else gradients[-1], ever if in_backward else before)
     shard = [[_padded(p, world) for p in g] for g in groups]
     trainable = [[_padded(p, world) for p in g if p.requires_grad] for g in groups]
-    with_grad = [[_padded(p, world) for p in g if names[id(p)] in gradients[0]] for g in groups]
-    stepped = [[_padded(p, world) for p in g if names[id(p)] in gradients[1]] for g in groups]
     gathered = [world * sum(s) for s in shard]  # elements of each unit when gathered
     grads = [world * sum(t) for t in trainable]
-    per_element, per_tensor = optimizer
     largest = max(range(len(groups)), key=lambda i: gathered[i])
-    states = {"sharded parameters": 4 * sum(map(sum, shard)),
-              "sharded gradients": 4 * (max(map(sum, with_grad)) if setting == "in_backward"
-                                        else sum(map(sum, with_grad))),
-              "optimizer state": (per_element * sum(map(sum, stepped))
-                                  + per_tensor * sum(map(len, stepped)))}
     two = sorted(gathered[:-1], reverse=True)[:2]
     held = (sum(gathered) if setting == "zero2" else gathered[-1] + sum(two))
     return {**states, "gathered parameters": param_bytes * held,
             "communication": (param_bytes * gathered[largest] + param_bytes * grads[largest]
-                              + 4 * grads[largest])}
+                              + 4 * grads[largest])}, sum(at_end.values())
 
 
 def _run(workload: Workload, setting: str, world: int, fake: bool) -> dict[str, Any]:
@@ -176,10 +195,10 @@ def _run(workload: Workload, setting: str, world: int, fake: bool) -> dict[str, 
                 model = workload.build()
         else:
             model = workload.build()
-        keep_whole = fsdp2.called_outside(workload)
+        keep_whole = fsdp2.called_outside(workload, fake)
         blocks = fsdp2.units(model, keep_whole)
-        predicted = _predicted(model, blocks, world, setting, 2 if param_dtype else 4,
-                               state_bytes(cls, kwargs), _gradients(workload, fake))
+        predicted, at_end = _predicted(model, blocks, world, setting, 2 if param_dtype else 4,
+                                       state_bytes(cls, kwargs), _gradients(workload, fake))
         if fake:
             stack.enter_context(FakeTensorMode())
             materialize(model)
@@ -217,7 +236,7 @@ def _run(workload: Workload, setting: str, world: int, fake: bool) -> dict[str, 
                 if k != "Total"}
 
     return {"peak": peak["Total"], "breakdown": words(peak),
-            "end_of_backward": words(end), "predicted": predicted}
+            "end_of_backward": words(end), "predicted": predicted, "at_end": at_end}
 
 
 def rank_peak(workload: Workload, setting: str, world: int = WORLD) -> dict[str, Any]:
@@ -253,8 +272,7 @@ def rank_peak(workload: Workload, setting: str, world: int = WORLD) -> dict[str,
     end = got["end_of_backward"]
     states = sum(v for k, v in end.items() if k not in _LEFT_OUT)
     left = sum(end.get(k, 0) for k in ("activations", "temporaries"))
-    # with the optimizer in backward no gradient is left when backward has ended
-    at_end = paper - (predicted["sharded gradients"] if setting == "in_backward" else 0)
+    at_end = got.pop("at_end")
     # each predicted term bounds its own categories at the peak, and all of them the peak
     at_peak = dict(got["breakdown"])
     at_peak["communication"] = sum(at_peak.pop(k, 0) for k in _COMMUNICATION)

@@ -20,8 +20,8 @@ What each row is held to:
               ZeRO-2, another engine, drifts from it too and stays within 2x the measured
               noise floor |DDP - single process| of DDP.
     fsdp2_*   every shard's post-accumulate-grad hook called once per run of its unit in a
-              synced backward (``fsdp2.unit_runs``) with its reduced shard gradient, never
-              without sync; no gathered gradient left; both ranks equal. fp32: against DDP
+              synced backward (``fsdp2.unit_runs``, ``fsdp2.hook_problems``; none for a shard
+              without a gradient) with its reduced shard gradient, never without sync; no gathered gradient left; both ranks equal. fp32: against DDP
               within the tolerance and 2x the measured noise floor, never bit for bit (FSDP2
               computes on gathered copies of the parameters, on which other kernels may run,
               and reduces its own buckets; bit-exactness is reported where it happens), then

@@ -160,9 +160,9 @@ def gate(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
     what was measured (``measure_all``)."""
     now = measure_all(sections, models, fault, device, zero2_ranks, checkpoint_dir, workloads)
     now["device"] = device
-    if isinstance(now.get("time"), dict) and CRASHED not in now["time"]:
-        now["time"] = step_time.confirm(base.get("time", {}), now["time"], time_slack)
     with inject(fault):
+        if isinstance(now.get("time"), dict) and CRASHED not in now["time"]:
+            now["time"] = step_time.confirm(base.get("time", {}), now["time"], time_slack)
         return check(base, now, parity="parity" in sections, time_slack=time_slack,
                      strict_warnings=strict_warnings), now
 

@@ -293,7 +293,7 @@ def confirm(base: dict, now: dict, slack: float,
     for _ in range(CONFIRMATIONS):
         if not (slower := _slower(base, now, slack)):
             break
-        fresh = again(slower)
+        fresh = attempt(lambda: again(slower))  # what stops it leaves the first values judged
         for key in slower:
             seen.setdefault(key, [now[key]])
             if isinstance(fresh.get(key), float):

@@ -73,7 +73,7 @@ from hookbench.engines import fsdp2, references, verdicts
 from hookbench.engines.loop import ACCUMULATION, Refused
 from hookbench.engines.memory import rank_peak
 from hookbench.measure import zero2_runs
-from hookbench.measure.memory import measure_or_fall_back
+from hookbench.measure.memory import MemoryResult, measure_or_fall_back
 from hookbench.measure.parity import Tolerance, accepts, compare, tolerance, trajectory
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
@@ -448,7 +448,8 @@ def _hooks(model: torch.nn.Module) -> set[tuple[str, int]]:
 def memory(workload: Workload) -> dict[str, dict[str, Any]]:
     """One step's peak per ``MEMORY_STRATEGIES`` on the fake backend (a compiled workload is
     measured eager: fake tensors do not run compiled code), with what the optimizer in
-    backward must save."""
+    backward must save: fewer gradients alive at once than the standard step, and its memory
+    held to the standard step's (``_in_backward_memory``)."""
     eager = workload.replace(compile=None)
     cls, kwargs = workload.optimizer
     measured: dict[str, Any] = {}
@@ -467,32 +468,8 @@ def memory(workload: Workload) -> dict[str, dict[str, Any]]:
             measured[strategy] = r
             problems = []
             standard = measured.get(standard_step)
-            # Not "<": where activations peak in backward (a small model, a long sequence),
-            # both steps peak there, and the saving shows in the gradients alive instead.
-            # Above by at most STEP_TEMPORARIES x the largest trainable parameter: stepped in
-            # backward, a parameter's step makes its temporaries while activations are still
-            # live, where a standard step makes them after backward has freed them (timm's
-            # resnet10t: its largest conv, 576 KB, stepped early in backward; the peak 332 KB
-            # above the standard step's).
-            slack = STEP_TEMPORARIES * r.floor_breakdown.get("gradients_needed", 0)
-            if strategy == "in_backward" and standard is not None and r.peak > standard.peak + slack:
-                problems.append(f"costs memory: peak {r.peak} B > the standard step's "
-                                f"{standard.peak} B + {slack} B (the step's temporaries of the "
-                                f"largest parameter, {STEP_TEMPORARIES}x its bytes)")
-            # That slack can hide a gradient kept after its step where one parameter is most of
-            # the model; what is live when backward has ended cannot: every gradient has been
-            # stepped and freed, so no more than the standard step's activations and
-            # temporaries (exact counts, the same forward and backward)
             if strategy == "in_backward" and standard is not None:
-                left, was = (sum(after.get(c, 0) for c in ("gradients", "activations",
-                                                            "temporaries"))
-                             for after in (r.after_backward, {**standard.after_backward,
-                                                              "gradients": 0}))
-                if left > was:
-                    problems.append(f"when backward ended {left} B of gradients, activations "
-                                    f"and temporaries were live, more than the standard step's "
-                                    f"{was} B of activations and temporaries (a gradient kept "
-                                    f"after its step)")
+                problems += _in_backward_memory(r, standard)
             if (strategy != standard_step and r.all_gradients > 0
                     and not r.few_gradients_alive):
                 problems.append(f"holds every gradient at once ({r.gradients_alive_max} B)")
@@ -502,6 +479,35 @@ def memory(workload: Workload) -> dict[str, dict[str, Any]]:
 
         out[f"{workload.name}/memory/{strategy}"] = _row(one)
     return out
+
+
+def _in_backward_memory(r: MemoryResult, standard: MemoryResult) -> list[str]:
+    """The optimizer in backward's memory against the standard step's, on the same model.
+
+    Its peak: not "below": where activations peak in backward (a small model, a long
+    sequence), both steps peak there, and the saving shows in the gradients alive instead.
+    Above by at most ``STEP_TEMPORARIES`` x the largest trainable parameter: stepped in
+    backward, a parameter's step makes its temporaries while activations are still live, where
+    a standard step makes them after backward has freed them (timm's resnet10t: its largest
+    conv, 576 KB, stepped early in backward; the peak 332 KB above the standard step's).
+
+    That slack can hide a gradient kept after its step where one parameter is most of the
+    model; what is live when backward has ended cannot: every gradient has been stepped and
+    freed, so no more than the standard step's activations and temporaries (exact counts, the
+    same forward and backward)."""
+    problems = []
+    slack = STEP_TEMPORARIES * r.floor_breakdown["gradients_needed"]
+    if r.peak > standard.peak + slack:
+        problems.append(f"costs memory: peak {r.peak} B > the standard step's {standard.peak} B "
+                        f"+ {slack} B (the step's temporaries of the largest parameter, "
+                        f"{STEP_TEMPORARIES}x its bytes)")
+    left = sum(r.after_backward.get(c, 0) for c in ("gradients", "activations", "temporaries"))
+    was = sum(standard.after_backward.get(c, 0) for c in ("activations", "temporaries"))
+    if left > was:
+        problems.append(f"when backward ended {left} B of gradients, activations and "
+                        f"temporaries were live, more than the standard step's {was} B of "
+                        f"activations and temporaries (a gradient kept after its step)")
+    return problems
 
 
 def engine_memory(workload: Workload) -> dict[str, dict[str, Any]]:
@@ -535,21 +541,28 @@ def engine_memory(workload: Workload) -> dict[str, dict[str, Any]]:
             except Refused as e:
                 return {"torch_refuses": str(e)}
             standard = out.get(f"{workload.name}/memory/fsdp2_zero3", {})
-            if setting == "in_backward" and "peak" in standard:
-                if row["peak"] > standard["peak"]:
-                    row["problems"].append(f"peak {amount(row['peak'])} above FSDP2 ZeRO-3's "
-                                           f"with a standard step, {amount(standard['peak'])}")
-                if row["states"] >= standard["states"]:
-                    row["problems"].append(f"when backward ended {amount(row['states'])} of "
-                                           f"model states live, not below ZeRO-3's "
-                                           f"{amount(standard['states'])}")
-                # exact counts, and the same forward and backward: what ZeRO-3 keeps (a cache
-                # of the model's, FSDP2's own) and not a byte more (a gradient kept after its
-                # step shows here, as a temporary)
-                if row["left"] > standard["left"]:
-                    row["problems"].append(f"when backward ended {amount(row['left'])} of "
-                                           f"activations and temporaries live, more than "
-                                           f"ZeRO-3's {amount(standard['left'])}")
+            if setting != "in_backward":
+                return row
+            if "peak" not in standard or standard["backend"] != row["backend"]:
+                row["problems"].append(
+                    "no FSDP2 ZeRO-3 row on the same backend to hold it to (ZeRO-3: " + (
+                        f"backend {standard['backend']}, this row's {row['backend']})"
+                        if "peak" in standard else f"{standard.get('error', 'not measured')})"))
+                return row
+            if row["peak"] > standard["peak"]:
+                row["problems"].append(f"peak {amount(row['peak'])} above FSDP2 ZeRO-3's "
+                                       f"with a standard step, {amount(standard['peak'])}")
+            if row["states"] >= standard["states"]:
+                row["problems"].append(f"when backward ended {amount(row['states'])} of "
+                                       f"model states live, not below ZeRO-3's "
+                                       f"{amount(standard['states'])}")
+            # exact counts, and the same forward and backward: what ZeRO-3 keeps (a cache of
+            # the model's, FSDP2's own) and not a byte more (a gradient kept after its step
+            # shows here, as a temporary)
+            if row["left"] > standard["left"]:
+                row["problems"].append(f"when backward ended {amount(row['left'])} of "
+                                       f"activations and temporaries live, more than "
+                                       f"ZeRO-3's {amount(standard['left'])}")
             return row
 
         out[key] = _row(one)

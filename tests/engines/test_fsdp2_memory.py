@@ -17,9 +17,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from hookbench.engines.memory import rank_peak, state_bytes
 from hookbench.gate import workload_checks
 from hookbench.mechanisms import optimizer_in_backward
+from hookbench.models.zoo import TinySpec
 from hookbench.models.zoo import workload as zoo_workload
 
 TRANSFORMER = zoo_workload("transformer", batch_size=2)  # Adam; 4 blocks and a tied root
+MLP = TinySpec().workload()  # the zoo's small MLP, Adam
 
 
 def paper(workload, world: int) -> int:
@@ -103,12 +105,12 @@ def test_shard_gradients_kept_past_their_step_fail_the_optimizer_in_backward(mon
 
     monkeypatch.setattr(optimizer_in_backward.OptimizerInBackward, "_finish", keeping)
     try:
-        rows = workload_checks.engine_memory(TRANSFORMER)
+        rows = workload_checks.engine_memory(MLP)
     finally:
         kept.clear()
     # more activations and temporaries live when backward ended than FSDP2's standard step
     # leaves on the same model: the kept gradients (rank_peak alone has no yardstick for them)
-    row = rows[f"{TRANSFORMER.name}/memory/fsdp2_in_backward"]
+    row = rows[f"{MLP.name}/memory/fsdp2_in_backward"]
     assert any("of activations and temporaries live, more than ZeRO-3's" in p
                for p in row["problems"]), row["problems"]
 

@@ -92,7 +92,10 @@ def test_a_kept_gradient_fails_the_batchnorm_workload_on_its_memory_rows():
     # a memory fault: parity is untouched by it (the ZeRO-2 row holds), the memory rows fail
     with inject("keeps_gradients_alive"):
         rows = workload_checks.memory(BATCHNORM)
-    assert rows["conv-bn/memory/in_backward"]["problems"], rows["conv-bn/memory/in_backward"]
+    problems = rows["conv-bn/memory/in_backward"]["problems"]
+    # Its largest parameter is 48% of the model: the kept gradients fit in the peak's stated
+    # slack (3x that parameter); what is live when backward has ended catches them.
+    assert problems == [p for p in problems if "when backward ended" in p] != [], problems
 
 
 def _snapshots(*values: float) -> list[dict[str, torch.Tensor]]:

@@ -395,7 +395,7 @@ def test_a_block_whose_module_the_root_calls_stays_in_the_roots_unit(monkeypatch
     assert all(row["problems"] == [] for row in rows.values()), rows
     # Without the rule, block 0 is a unit, and its parameters are sharded when the root calls
     # its embedding.
-    monkeypatch.setattr(fsdp2, "called_outside", lambda workload: frozenset())
+    monkeypatch.setattr(fsdp2, "called_outside", lambda workload, fake=False: frozenset())
     broken = workload_checks.engine_memory(CONDITIONED)
     assert all("mixed torch.Tensor and DTensor" in row["error"] for row in broken.values()), broken
 
