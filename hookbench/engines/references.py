@@ -41,7 +41,7 @@ from hookbench.measure.parity import (NoiseBounds, Snapshot, Tolerance, compare,
                                       parameters_only, rounding_level, training)
 
 __all__ = ["ENGINE_RUNS", "FLOOR_FACTOR", "arithmetic_differs", "floor_bounds", "judge",
-           "noise_floor", "ranks", "single_process", "with_ddp"]
+           "largest", "noise_floor", "ranks", "single_process", "with_ddp"]
 
 # Against the single process where DDP itself exceeds the derived tolerance: ZeRO-2 may be up
 # to this many times as far from it as DDP is, tensor by tensor (the largest |DDP - single
@@ -143,7 +143,8 @@ def floor_bounds(floor: list[Snapshot], rounding: list[Snapshot] | None) -> list
     return out
 
 
-def _largest(floor: list[Snapshot]) -> list[float]:
+def largest(floor: list[Snapshot]) -> list[float]:
+    """Per step, the floor's largest element (``noise_floor``): what the baseline stores."""
     return [max((float(v.max()) for v in step.values() if v.numel()), default=0.0)
             for step in floor]
 
@@ -215,4 +216,4 @@ def judge(workload: Workload, zero2: list[Snapshot], ddp: list[Snapshot] | None,
     if not result.ok:
         problems.append(words[-1])
     return {"problems": problems, "parity": "; ".join(words),
-            "noise_floor": None if floor is None else _largest(floor)}
+            "noise_floor": None if floor is None else largest(floor)}

@@ -211,6 +211,9 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
         if engine == "ddp":
             result = compare(snaps["ddp"], single, tol, rounding)
             words.append(f"vs one process on the ranks' shares: {result.verdict()}")
+            # the yardstick the baseline keeps: how far two legal references drift apart on
+            # this workload, step by step (the gate holds a later torch to it)
+            row["noise_floor"] = references.largest(references.noise_floor(snaps["ddp"], single))
             peer = snaps.get("fsdp2_zero2")
             if not result.ok and not mixed and peer is not None:
                 # no engine does DDP's arithmetic: FSDP2 ZeRO-2, another order of the sums on

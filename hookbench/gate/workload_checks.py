@@ -569,6 +569,32 @@ def engine_memory(workload: Workload) -> dict[str, dict[str, Any]]:
     return out
 
 
+# How far the yardstick, |DDP - single process| step by step (``references.noise_floor``), may
+# grow over the one recorded on the trusted torch, plus the row's atol. On the same torch and
+# CPU it is the same to the bit (the arithmetic is identical); another release may sum in
+# another order, and training amplifies the difference the way it amplified the recorded one,
+# so a factor, not an absolute. 4x leaves room for that and still catches a reduction that
+# went wrong silently in both DDP and the engine judged against it (whose own row then holds
+# within the grown floor).
+YARDSTICK_HEADROOM = 4.0
+
+
+def yardstick_problem(rec: dict | None, value: dict) -> str | None:
+    """Where a row's yardstick (``noise_floor``, per step) outgrew the recorded one by more
+    than ``YARDSTICK_HEADROOM`` and its atol: the words; else None (or nothing recorded)."""
+    was, now = (rec or {}).get("noise_floor"), value.get("noise_floor")
+    if not was or not now:
+        return None
+    atol = value["tolerance"]["atol"]
+    over = [(step, n, w) for step, (w, n) in enumerate(zip(was, now))
+            if n > YARDSTICK_HEADROOM * w + atol]
+    if not over:
+        return None
+    step, n, w = over[0]
+    return (f"YARDSTICK GREW: DDP is {n:.3g} from one process at step {step}, more than "
+            f"{YARDSTICK_HEADROOM:g}x the {w:.3g} recorded on the trusted torch + atol {atol:g}")
+
+
 def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str, Any]:
     """Every row above for every workload (names must differ)."""
     names = [w.name for w in workloads]
@@ -635,7 +661,9 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
         else:  # another CPU may change the bits: then the row's own tolerance
             ok, verdict = trajectory_verdict(rec, value, Tolerance(**value["tolerance"]),
                                              run.machine_note)
-            section.add(ok, key, "; ".join(filter(None, (verdict, value.get("parity")))))
+            drift = yardstick_problem(rec, value)
+            section.add(ok and drift is None, key,
+                        "; ".join(filter(None, (verdict, drift, value.get("parity")))))
     say_warnings(section, now)
     names = {key.split("/")[0] for key in now}
     for key in sorted(k for k in set(base) - set(now) if k.split("/")[0] in names):

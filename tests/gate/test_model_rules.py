@@ -19,6 +19,8 @@ with the fault that breaks it: the same test run without the rule fails.
                    formula, the rest held to FSDP2's own standard step on the same model
     units          a block one of whose modules the root calls (DiT's conditioning) is no
                    FSDP2 unit; a shard without a gradient (an unused pooler) has no hook call
+    yardstick      |DDP - single process| per step, stored at record: a later torch is held
+                   to it with a stated headroom
 """
 
 from __future__ import annotations
@@ -237,6 +239,8 @@ def test_a_layer_shared_across_depth_trains_under_fsdp2_and_the_optimizer_in_bac
     rows = workload_checks.zero2([SHARED], with_zero2=False)
     for engine in ("ddp", "fsdp2_zero2", "fsdp2_zero3"):
         assert rows[f"shared/engines/{engine}"]["problems"] == [], rows
+    # the yardstick the baseline keeps, one value per step
+    assert len(rows["shared/engines/ddp"]["noise_floor"]) == workload_checks.STEPS
     # summed in pieces, one per run: against DDP within the measured yardstick, not bit for bit
     assert "in pieces, once per run: within tolerance and 2x the noise floor" in rows[
         "shared/engines/fsdp2_zero2"]["parity"]
@@ -415,3 +419,18 @@ def test_a_shard_without_a_gradient_may_go_without_its_hook_call():
     left = {**lost, "shard_grads": ["used"]}
     assert "shard gradients left after their step on ['used']" in fsdp2.hook_problems(
         [left], runs, in_backward=True)[0]
+
+
+@pytest.mark.parametrize("grown, holds", [(1.0, True), (3.9, True), (4.0 + 1e-3, False)])
+def test_the_yardstick_recorded_on_the_trusted_torch_holds_a_later_one(grown, holds):
+    # |DDP - single process| per step, as record stores it in the DDP and ZeRO-2 rows; a later
+    # torch may move it within YARDSTICK_HEADROOM (4x) and the row's atol, no further: a
+    # reduction wrong alike in DDP and in what is judged against DDP shows here.
+    atol = 1e-6
+    row = {"sha256": "0" * 64, "tolerance": {"rtol": 1e-5, "atol": atol},
+           "noise_floor": [0.0, 3e-5]}
+    now = {**row, "noise_floor": [0.0, 3e-5 * grown + atol]}
+    section = workload_checks.judge({"w/engines/ddp": row}, {"w/engines/ddp": now},
+                                    workload_checks.Run())
+    assert section.ok is holds, section.rows
+    assert ("YARDSTICK GREW: DDP is" in section.rows[0][0][-1]) is not holds
