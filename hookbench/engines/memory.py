@@ -46,6 +46,7 @@ the size of the whole: each shows as bytes above its term, or above the standard
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 from typing import Any
 
@@ -56,7 +57,8 @@ from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload
 from hookbench.engines import fsdp2
 from hookbench.engines.loop import Refused, wrapping
-from hookbench.measure.memory import format_bytes, materialize, torch_log_kept
+from hookbench.measure.memory import (collection_paused, format_bytes, materialize,
+                                      torch_log_kept)
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 
 __all__ = ["AGREEMENT", "WORLD", "rank_peak", "state_bytes"]
@@ -223,11 +225,12 @@ def _run(workload: Workload, setting: str, world: int, fake: bool) -> dict[str, 
             optimizer = cls(params, **kwargs)
         tracker = FSDPMemTracker(model, None if settings["in_backward"] else optimizer)
         cpu = torch.device("cpu")
-        with tracker:
+        with collection_paused(), tracker:  # the same bytes in every process
             for i in range(_STEPS):
                 x, y = workload.data(i)
                 tracker.track_inputs((x, y))  # the batch, apart from the model states
                 workload.compute_loss(model, x, y, (i, 0)).backward()
+                gc.collect()  # what is left when backward has ended, not uncollected cycles
                 end = tracker.get_tracker_snapshot()[cpu]
                 optimizer.step()
                 optimizer.zero_grad()

@@ -8,12 +8,17 @@ fake process group: ~1 s a row.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
+import types
 
 import pytest
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
+from hookbench import Workload
+from hookbench.engines import memory as engine_memory
 from hookbench.engines.memory import rank_peak, state_bytes
 from hookbench.gate import workload_checks
 from hookbench.mechanisms import optimizer_in_backward
@@ -118,3 +123,53 @@ def test_shard_gradients_kept_past_their_step_fail_the_optimizer_in_backward(mon
 def test_an_unknown_setting_is_refused():
     with pytest.raises(ValueError, match="unknown FSDP2 setting"):
         rank_peak(TRANSFORMER, "zero4")
+
+
+class Cycles(torch.nn.Module):
+    """A forward that leaves a reference cycle holding a tensor (as Hugging Face's output
+    objects can): freed only when Python's cyclic collector runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(
+            torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Tanh()), torch.nn.Linear(64, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks[0](x)
+        cycle: dict = {"hidden": h.repeat(1, 64)}  # 256 KB, more than the rest
+        cycle["self"] = cycle
+        return self.blocks[1](h)
+
+
+CYCLES = Workload("cycles", model=Cycles, loss=torch.nn.functional.cross_entropy,
+                  batch=lambda g: (torch.randn(16, 8, generator=g),
+                                   torch.randint(0, 3, (16,), generator=g)))
+
+
+@pytest.fixture
+def gc_threshold():
+    """Set Python's collection threshold for one test; restored in finally."""
+    was = gc.get_threshold()
+    try:
+        yield gc.set_threshold
+    finally:
+        gc.set_threshold(*was)
+
+
+def _peaks(set_threshold) -> list[tuple[int, int]]:
+    out = []
+    for threshold in ((1, 1, 1), (10**9,)):  # the collector at every allocation, and never
+        set_threshold(*threshold)
+        row = rank_peak(CYCLES, "zero2")
+        out.append((row["peak"], row["left"]))
+    return out
+
+
+def test_the_bytes_do_not_depend_on_when_python_collects_cycles(gc_threshold, monkeypatch):
+    often, never = _peaks(gc_threshold)
+    assert often == never and never[1] == 0
+    # Without the rule, the cycles the forward left (256 KB each step) count as kept by the
+    # model when backward has ended, as many as the collector has not reached yet.
+    monkeypatch.setattr(engine_memory, "collection_paused", contextlib.nullcontext)
+    monkeypatch.setattr(engine_memory, "gc", types.SimpleNamespace(collect=lambda: 0))
+    assert rank_peak(CYCLES, "zero2")["left"] >= 256 * 1024
