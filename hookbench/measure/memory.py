@@ -337,21 +337,31 @@ def measure(
 
 @contextlib.contextmanager
 def collection_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off, after one collection, and on again on exit.
-    Where it runs depends on how many objects the process allocated before (a gate measures
-    other rows first than a record does), and a model whose forward leaves reference cycles
-    (Hugging Face's output objects) holds their tensors until it runs: measured, the same
-    FSDP2 row of a ViT + GPT-2 captioner peaked 8.7 KB apart from one process to the next.
-    Paused, the bytes are the same in every process; the measurements collect where they
-    count what is left."""
+    """Python's cyclic garbage collector off, and what exists so far frozen (``gc.freeze``), on
+    again on exit. Where the collector runs depends on how many objects the process allocated
+    before (a gate measures other rows first than a record does), and a model whose forward
+    leaves reference cycles (Hugging Face's output objects) holds their tensors until it runs:
+    measured, the same FSDP2 row of a ViT + GPT-2 captioner peaked 8.7 KB apart from one
+    process to the next. Paused, the bytes are the same in every process; the measurements
+    collect (``gc.collect``) where they count what is left, and, with the rest of the process
+    frozen, a collection scans only what the measurement made (about 1 ms, not 140 ms)."""
+    global _paused
+    _paused += 1
     was = gc.isenabled()
-    gc.collect()
-    gc.disable()
+    if _paused == 1:
+        gc.disable()
+        gc.freeze()
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        _paused -= 1
+        if _paused == 0:
+            gc.unfreeze()
+            if was:
+                gc.enable()
+
+
+_paused = 0  # collection_paused's depth: only the outermost freezes and unfreezes
 
 
 @contextlib.contextmanager
