@@ -36,7 +36,7 @@ import torch.distributed as dist
 from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import of
 from hookbench.engines.loop import Refused, train, wrapping
-from hookbench.measure.memory import materialize
+from hookbench.measure.memory import built
 from hookbench.measure.zero2_runs import local_batch, rank_device
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 
@@ -139,16 +139,8 @@ def _probe(workload: Any, fake: bool = False) -> tuple[frozenset[str], dict[str,
     root calls ``transformer_blocks.0.norm1.emb`` for the conditioning, "aten.addmm.default
     got mixed torch.Tensor and DTensor"). Its parameters stay with its parent's unit, as a
     user would wrap it."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with contextlib.ExitStack() as stack:
-        if fake:
-            with torch.device("meta"):
-                model = workload.build()
-            stack.enter_context(FakeTensorMode())
-            materialize(model)
-        else:
-            model = workload.build()
+        model = built(workload, fake, stack)
         blocks = list(_blocks(model).items())
         running, runs = [0] * len(blocks), [0] * len(blocks)
         containing: dict[int, list[int]] = {}

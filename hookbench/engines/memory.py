@@ -57,7 +57,7 @@ from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload
 from hookbench.engines import fsdp2
 from hookbench.engines.loop import Refused, wrapping
-from hookbench.measure.memory import (collection_paused, format_bytes, materialize,
+from hookbench.measure.memory import (built, collection_paused, format_bytes, materialize,
                                       torch_log_kept)
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 
@@ -111,16 +111,8 @@ def _gradients(workload: Workload, fake: bool) -> list[set[str]]:
     tensors where it runs on them). A module the forward does not use (an unused pooler, an
     expert no token was routed to) gets no gradient, so no shard of one, and no optimizer
     state until it has had one."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with contextlib.ExitStack() as stack:
-        if fake:
-            with torch.device("meta"):
-                model = workload.build()
-            stack.enter_context(FakeTensorMode())
-            materialize(model)
-        else:
-            model = workload.build()
+        model = built(workload, fake, stack)
         got = []
         for i in range(_STEPS):
             model.zero_grad(set_to_none=True)

@@ -51,7 +51,7 @@ from hookbench.mechanisms.optimizer_in_backward import size_buckets
 
 __all__ = ["BACKENDS", "CATEGORIES", "MemoryResult", "StorageTracker", "byte_unit",
            "format_bytes", "materialize", "measure", "measure_or_fall_back", "table_unit",
-           "collection_paused", "torch_log_kept"]
+           "built", "collection_paused", "torch_log_kept"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
 BACKENDS = ("fake", "eager", "cuda")
@@ -545,6 +545,20 @@ def _gradients_needed(model: nn.Module, strategy: str, tracker: StorageTracker,
         return max(sum(tracker.rounded(p.nbytes) for p in m.parameters(recurse=False)
                        if p.requires_grad) for m in model.modules())
     return sum(tracker.rounded(p.nbytes) for p in model.parameters() if p.requires_grad)
+
+
+def built(workload: Any, fake: bool, stack: contextlib.ExitStack) -> nn.Module:
+    """``workload``'s model: on fake tensors (built on the meta device, then ``materialize``d
+    under a ``FakeTensorMode`` that ``stack`` holds open), or real ones."""
+    if not fake:
+        return workload.build()
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with torch.device("meta"):
+        model = workload.build()
+    stack.enter_context(FakeTensorMode())
+    materialize(model)
+    return model
 
 
 def materialize(model: nn.Module) -> None:
