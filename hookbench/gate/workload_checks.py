@@ -74,13 +74,14 @@ from hookbench.engines.loop import ACCUMULATION, Refused
 from hookbench.engines.memory import rank_peak
 from hookbench.measure import zero2_runs
 from hookbench.measure.memory import MemoryResult, measure_or_fall_back
-from hookbench.measure.parity import Tolerance, accepts, compare, tolerance, trajectory
+from hookbench.measure.parity import (IMPLEMENTATION_FLAGS, Tolerance, accepts, compare,
+                                      tolerance, trajectory)
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
 __all__ = ["BATCHES", "DESIGNED", "MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS",
            "bucket", "capture", "engine_memory", "engine_rows", "engine_runs", "forloop_options",
            "measure_all", "memory", "not_applicable", "refusal", "refused_words",
-           "say_warnings", "trajectories", "zero2"]
+           "say_warnings", "strategies", "trajectories", "zero2"]
 
 FAULTS = None
 
@@ -90,7 +91,7 @@ STRATEGIES = ("forloop", "foreach", "in_backward", "in_backward_grouped",
 _REFERENCE = {"foreach": ("forloop", False), "in_backward": ("forloop", True),
               "in_backward_grouped": ("forloop", True),
               "in_backward_grouped_foreach": ("foreach", False),
-              "in_backward_bucketed": ("foreach", False)}
+              "in_backward_bucketed": ("foreach", False), "fused": ("forloop", False)}
 # The strategies that need the optimizer's foreach implementation; with a class that has none
 # (an optimizer outside torch.optim) they do not apply, and the bucketed mode steps each bucket
 # with the class's for-loop, bit for bit the for-loop step.
@@ -128,17 +129,29 @@ def not_applicable(workload: Workload, strategy: str) -> str | None:
     return None
 
 
+def strategies(workload: Workload) -> tuple[str, ...]:
+    """``STRATEGIES``, and "fused" after "foreach" where the workload's options name it."""
+    if not workload.optimizer[1].get("fused"):
+        return STRATEGIES
+    at = STRATEGIES.index("foreach") + 1
+    return (*STRATEGIES[:at], "fused", *STRATEGIES[at:])
+
+
 def _reference(workload: Workload, strategy: str) -> tuple[str, bool] | None:
     if strategy == "in_backward_bucketed" and not accepts(workload.optimizer[0], "foreach"):
         return "forloop", True
+    if strategy == "in_backward_bucketed" and workload.optimizer[1].get("fused"):
+        return "fused", False  # its buckets step with the user's fused kernel
     return _REFERENCE.get(strategy)
 
 
 def forloop_options(workload: Workload) -> dict[str, Any]:
-    """The workload's optimizer options for its for-loop implementation (``foreach=False``
-    where the class takes that option)."""
+    """The workload's optimizer options for its for-loop implementation: the user's, less an
+    implementation flag (``fused=True`` on FSDP2's DTensor shards has no kernel), with
+    ``foreach=False`` where the class takes that option."""
     cls, kwargs = workload.optimizer
-    return {**kwargs, "foreach": False} if accepts(cls, "foreach") else dict(kwargs)
+    options = {k: v for k, v in kwargs.items() if k not in IMPLEMENTATION_FLAGS}
+    return {**options, "foreach": False} if accepts(cls, "foreach") else options
 
 
 def refusal(workload: Workload, strategy: str) -> str | None:
@@ -197,12 +210,16 @@ def _refused(workload: Workload, strategy: str) -> dict[str, Any]:
 
 
 def trajectories(workload: Workload) -> dict[str, dict[str, Any]]:
-    """Each of ``STRATEGIES``: a fingerprint and its parity with its reference (``problems``),
-    or its refusal, or what stopped it (``{"error": ...}``)."""
+    """Each of ``STRATEGIES`` (and "fused" where the workload's options name it): a
+    fingerprint and its parity with its reference (``problems``), or its refusal, or what
+    stopped it (``{"error": ...}``)."""
     cls, kwargs = workload.optimizer
     runs: dict[str, list] = {}
     out = {}
-    for strategy in STRATEGIES:
+    # The user's implementation as given: foreach=True is the foreach row already; fused=True
+    # gets a row of its own (its kernel checked to run, ``parity.implementation_ran``), before
+    # the bucketed mode, which steps with it and is compared with it.
+    for strategy in strategies(workload):
         def run(strategy: str = strategy) -> dict[str, Any]:
             if not_applicable(workload, strategy):
                 return {"not_applicable": not_applicable(workload, strategy)}
@@ -524,7 +541,10 @@ def engine_memory(workload: Workload) -> dict[str, dict[str, Any]]:
     stopped = {**{f"fsdp2_{s}": {"error": on_cpu} for s in fsdp2.SETTINGS if on_cpu},
                **{e: {"not_applicable": why} for e, why in
                   verdicts.not_applicable(workload, STEPS, ZERO2_RANKS).items()}}
-    eager = workload.replace(compile=None)
+    # The engines' optimizer: the for-loop, as on their trajectory rows (a fused kernel has no
+    # DTensor sharding strategy on FSDP2's shards).
+    eager = workload.replace(compile=None, optimizer=(workload.optimizer[0],
+                                                      forloop_options(workload)))
     out: dict[str, dict[str, Any]] = {}
     for setting in fsdp2.SETTINGS:
         key = f"{workload.name}/memory/fsdp2_{setting}"

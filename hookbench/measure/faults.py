@@ -15,7 +15,8 @@ forward hooks; saved-tensor faults make ``saved_tensors_hooks`` call pack twice 
 unpack hand back the tensor unpacked before (``unpack_returns_stale``), make activation offload
 keep each offloaded tensor's device copy alive, or compress in lossless mode; engine faults make
 FSDP2 forget the hooks on its shards, the reduce-scatter hand a rank its neighbour's slice, or
-DDP hand each gradient bucket to its communication hook twice.
+DDP hand each gradient bucket to its communication hook twice; ``implementation_flag_ignored``
+drops an optimizer's ``foreach``/``fused`` choice, so its step runs the for-loop.
 The fault tests, ``pytest --hookbench-fault NAME``
 and ``hookbench selfcheck`` run the checks under each fault and require that they fail.
 """
@@ -123,6 +124,19 @@ def _optimizer_arithmetic_changed(original: Callable) -> Callable:
         return original(*args, lr=lr * 1.001, **kwargs)
 
     return adam
+
+
+def _ignores_implementation_flags(original: Callable) -> Callable:
+    # Every param group's foreach and fused are dropped to None once added, as a torch that
+    # ignored the user's choice would: the step then runs torch's default (the for-loop on
+    # CPU), the arithmetic of the reference it is compared with.
+    def add_param_group(self, param_group):
+        original(self, param_group)
+        for flag in ("foreach", "fused"):
+            if self.param_groups[-1].get(flag):
+                self.param_groups[-1][flag] = None
+
+    return add_param_group
 
 
 def _wrong_slice(original: Callable) -> Callable:
@@ -458,6 +472,8 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "fsdp2_forgets_shard_hooks": (_fsdp2_reduction, _forgets_shard_hooks),
     "reduce_scatter_wrong_slice": (_reduce_scatters, _hands_wrong_slice),
     "ddp_bucket_reduced_twice": (_comm_hook_registration, _reduces_each_bucket_twice),
+    "implementation_flag_ignored": (lambda: [(torch.optim.Optimizer, "add_param_group")],
+                                    _ignores_implementation_flags),
 }
 assert tuple(FAULTS) == names.FAULTS, "hookbench.core.names.FAULTS lists the faults"
 HOOK_FAULTS = [name for name, fault in FAULTS.items()

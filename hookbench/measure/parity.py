@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from hookbench.core.workload import Workload, of, to_device
@@ -37,6 +38,7 @@ from hookbench.models.zoo import TinySpec
 __all__ = [
     "AGAINST_FORLOOP",
     "FAMILIES",
+    "IMPLEMENTATION_FLAGS",
     "IMPLEMENTATION_CASES",
     "OPTION_VARIANTS",
     "STRATEGIES",
@@ -46,6 +48,7 @@ __all__ = [
     "accepts",
     "against_forloop",
     "compare",
+    "implementation_ran",
     "largest_step_per_lr",
     "live_gradients",
     "missing_implementation",
@@ -107,6 +110,47 @@ def tolerance(strategy: str, dtype: torch.dtype) -> Tolerance | None:
     if strategy in ("in_backward_grouped_foreach", "in_backward_bucketed"):
         strategy = "foreach"
     return _TOLERANCES.get((strategy, dtype))
+
+
+# The options that choose how a torch optimizer's step is computed, not what it computes.
+IMPLEMENTATION_FLAGS = ("foreach", "fused")
+# What each implementation's step dispatches: torch's kernels for it are named so
+# (aten._fused_adam_, aten._foreach_mul_, ...); the for-loop dispatches neither.
+_KERNEL_PREFIX = {"fused": "_fused_", "foreach": "_foreach_"}
+
+
+class _Kernels(TorchDispatchMode):
+    """Records the name of every aten operator dispatched inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        self.names.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def implementation_ran(implementation: str | None) -> Iterator[None]:
+    """Raise ``RuntimeError`` after the block unless the optimizer step in it ran
+    ``implementation`` ("forloop", "foreach", "fused"; None: check nothing): a flag torch
+    quietly ignored would otherwise pass, the for-loop being its own reference."""
+    if implementation is None:
+        yield
+        return
+    with _Kernels() as kernels:
+        yield
+    kinds = {kind for kind, prefix in _KERNEL_PREFIX.items()
+             if any(name.startswith(prefix) for name in kernels.names)}
+    # A fused step also counts its steps with a foreach kernel (torch._foreach_add_): fused
+    # where a fused kernel ran, foreach where only foreach ones did.
+    if implementation != ("fused" if "fused" in kinds else "foreach" if kinds else "forloop"):
+        found = ", ".join(sorted(n for n in kernels.names
+                                 if n.startswith(tuple(_KERNEL_PREFIX.values()))))
+        raise RuntimeError(f"the {implementation} step ran "
+                           f"{found or 'no fused or foreach kernel'}: torch did not run the "
+                           f"implementation it was asked for")
 
 
 # in_backward_bucketed's buckets: DDP's default bucket_cap_mb
@@ -236,18 +280,33 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
     parameter); with ``scaler`` (fp16) the step goes through ``scaler.step`` and
     ``scaler.update``, as in torch's AMP recipe; with ``clip`` the global gradient norm is
     clipped to it before each step, where the strategy can (the optimizer in backward
-    refuses, in its own words, before training starts)."""
+    refuses, in its own words, before training starts). ``kwargs`` are the user's options as
+    given, less an implementation flag (``IMPLEMENTATION_FLAGS``): each strategy sets its own,
+    so that ``fused=True`` is run as given by the "fused" strategy and every other one runs
+    beside it instead of raising on two flags; the bucketed mode alone takes the user's."""
     nothing = lambda: None  # noqa: E731
+    first = [True]
 
-    def stepped(opt: Any, clip_norm: Callable[[], Any] | None = None) -> None:
+    def stepped(opt: Any, clip_norm: Callable[[], Any] | None = None,
+                implementation: str | None = None) -> None:
         if clip is not None:
             if scaler is not None:
                 scaler.unscale_(opt)  # clip the true gradients, as torch's AMP recipe does
             clip_norm()
-        if scaler is None:
-            opt.step()
-        else:
-            scaler.step(opt)
+        # The first step only: the implementation is chosen per step() call, and a dispatch
+        # mode on every step would be timed with it (``step_time`` times later steps). Sparse
+        # gradients torch steps with the for-loop whatever the flag (Adagrad's and SGD's
+        # foreach paths hand them to the single-tensor code): nothing to check there.
+        sparse = any(p.grad is not None and p.grad.is_sparse for p in every)
+        checked = (implementation_ran(implementation) if first[0] and not sparse
+                   else contextlib.nullcontext())
+        first[0] = False
+        with checked:
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.step(opt)
+        if scaler is not None:
             scaler.update()
         opt.zero_grad()  # set_to_none, torch's default and Zero2's only behaviour
 
@@ -255,19 +314,22 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
     # A class without a foreach option (transformers' Adafactor, ...) has one implementation,
     # its for-loop: it is given no flag. foreach and fused there raise its own TypeError.
     loop = {"foreach": False} if accepts(cls, "foreach") else {}
+    options = {k: v for k, v in kwargs.items() if k not in IMPLEMENTATION_FLAGS}
     if strategy in ("forloop", "foreach", "fused"):
         impl = {"forloop": loop, "foreach": {"foreach": True},
                 "fused": {"fused": True}}[strategy]
-        opt = cls(every if params is None else params, **{**kwargs, **impl})
+        opt = cls(every if params is None else params, **{**options, **impl})
         clip_norm = lambda: torch.nn.utils.clip_grad_norm_(  # noqa: E731
             every, clip, foreach=strategy != "forloop")
-        return Started(lambda: stepped(opt, clip_norm), lambda p: opt.state.get(p, {}),
-                       nothing, every, scheduled=opt)
+        return Started(lambda: stepped(opt, clip_norm, strategy if impl else None),
+                       lambda p: opt.state.get(p, {}), nothing, every, scheduled=opt)
     if strategy.startswith("in_backward"):
         bucketed = strategy == "in_backward_bucketed"
         cap = kwargs.get("bucket_cap_mb", BUCKET_CAP_MB) if bucketed else None  # kwargs may
-        options = {k: v for k, v in kwargs.items() if k != "bucket_cap_mb"}  # carry the cap
-        implementation = ({} if bucketed and {"foreach", "fused"} & set(options)
+        options.pop("bucket_cap_mb", None)  # carry the cap
+        if bucketed:  # the user's implementation flag, if any, steps each bucket
+            options = {k: v for k, v in kwargs.items() if k != "bucket_cap_mb"}
+        implementation = ({} if bucketed and set(IMPLEMENTATION_FLAGS) & set(options)
                           else {"foreach": True} if strategy.endswith("foreach")
                           or (bucketed and loop) else loop)
         opt = OptimizerInBackward(
@@ -284,7 +346,7 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
         return Started(nothing, lambda p: opt.state.get(p, {}), opt.remove, every,
                        scheduled=opt)
     if strategy == "zero2":  # kwargs may carry bucket_numel
-        zero = Zero2(model, cls, params, **{**loop, **kwargs})
+        zero = Zero2(model, cls, params, **{**loop, **options})
         own = zero.loss_scale is not None  # fp16: its own loss scaling, not a GradScaler's
 
         def own_step() -> None:
@@ -305,7 +367,7 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
     from torch.distributed.optim import apply_optimizer_in_backward as peer
 
     trainable = [p for p in every if p.requires_grad]
-    peer._apply_optimizer_in_backward(cls, trainable, {**kwargs, "foreach": False})
+    peer._apply_optimizer_in_backward(cls, trainable, {**options, "foreach": False})
 
     def close() -> None:
         for p in trainable:

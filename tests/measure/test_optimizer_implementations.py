@@ -15,9 +15,12 @@ import importlib
 import pytest
 import torch
 
+from hookbench import Workload
+from hookbench.gate import workload_checks
+from hookbench.measure.faults import inject
 from hookbench.measure.parity import (AGAINST_FORLOOP, FAMILIES, IMPLEMENTATION_CASES,
-                                      against_forloop, compare, missing_implementation, tolerance,
-                                      trajectory)
+                                      against_forloop, compare, implementation_ran,
+                                      missing_implementation, tolerance, trajectory)
 from hookbench.models.zoo import TinySpec
 
 # Tied and frozen layers: a parameter in two modules, and parameters without a gradient, which
@@ -82,3 +85,63 @@ def test_a_broken_kernel_fails_against_the_forloop_though_its_self_comparison_pa
     same = compare(trajectory(spec, cls, options, mode), trajectory(spec, cls, kw, implementation),
                    tolerance(implementation, spec.dtype))
     assert same.ok, same.verdict()
+
+
+# -- the user's implementation flag, run as given (issue 46) -----------------------------------
+
+GIVEN = {"sgd_fused": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, fused=True)),
+         "adamw_fused": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=1e-2, fused=True)),
+         "adam_foreach": (torch.optim.Adam, dict(lr=1e-2, foreach=True))}
+
+
+def _given(name: str) -> Workload:
+    return TinySpec(depth=3, width=8).workload().replace(name=name, optimizer=GIVEN[name])
+
+
+@pytest.mark.parametrize("name", GIVEN)
+def test_a_named_implementation_runs_as_given_and_every_other_beside_it(name):
+    # Before: every foreach row raised "fused and foreach cannot be True together", and the
+    # references (ZeRO-2, the engines) ran the fused kernel as their "for-loop".
+    workload = _given(name)
+    rows = workload_checks.trajectories(workload)
+    fused = GIVEN[name][1].get("fused", False)
+    assert set(rows) == {f"{name}/{s}" for s in
+                         workload_checks.STRATEGIES + (("fused",) if fused else ())}
+    assert list(rows) == [f"{name}/{s}" for s in workload_checks.strategies(workload)]
+    assert not [(k, r) for k, r in rows.items() if r.get("problems") or "error" in r]
+    if fused:  # the user's kernel, held to the for-loop step; its buckets to it
+        assert rows[f"{name}/fused"]["parity"].startswith("vs forloop: ")
+        assert rows[f"{name}/in_backward_bucketed"]["parity"].startswith("vs fused: ")
+    options = workload_checks.forloop_options(workload)
+    assert options["foreach"] is False and "fused" not in options
+    assert workload_checks.zero2_case(workload)["kwargs"] == options
+
+
+def test_a_flag_torch_ignores_fails_the_row_that_names_it():
+    # The fault drops foreach and fused as a torch ignoring them would: each step is then the
+    # for-loop, bit for bit its own reference, so only the kernel check can see it.
+    with inject("implementation_flag_ignored"):
+        rows = workload_checks.trajectories(_given("sgd_fused"))
+    for strategy in ("foreach", "fused"):
+        assert rows[f"sgd_fused/{strategy}"]["error"] == (
+            f"RuntimeError: the {strategy} step ran no fused or foreach kernel: torch did not "
+            f"run the implementation it was asked for")
+    assert "error" not in rows["sgd_fused/forloop"]
+
+
+@pytest.mark.parametrize("implementation", AGAINST_FORLOOP)
+def test_each_implementation_dispatches_its_own_kernels(implementation):
+    # The check itself: a step that ran the other kernels, or none, is named.
+    cls, kw = FAMILIES["adam"]
+
+    def step() -> None:
+        p = torch.zeros(3, requires_grad=True)
+        p.grad = torch.ones(3)
+        cls([p], **kw, **{implementation: True}).step()
+
+    with implementation_ran(implementation):
+        step()
+    for other in ("forloop", *(i for i in AGAINST_FORLOOP if i != implementation)):
+        with pytest.raises(RuntimeError, match=f"the {other} step ran .*_{implementation}"), \
+                implementation_ran(other):
+            step()
