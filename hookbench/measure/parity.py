@@ -141,12 +141,17 @@ def implementation_ran(implementation: str | None) -> Iterator[None]:
         return
     with _Kernels() as kernels:
         yield
+    _ran(implementation, kernels.names)
+
+
+def _ran(implementation: str, names: set[str]) -> None:
+    """Raise unless the aten operators ``names`` are ``implementation``'s step's."""
     kinds = {kind for kind, prefix in _KERNEL_PREFIX.items()
-             if any(name.startswith(prefix) for name in kernels.names)}
+             if any(name.startswith(prefix) for name in names)}
     # A fused step also counts its steps with a foreach kernel (torch._foreach_add_): fused
     # where a fused kernel ran, foreach where only foreach ones did.
     if implementation != ("fused" if "fused" in kinds else "foreach" if kinds else "forloop"):
-        found = ", ".join(sorted(n for n in kernels.names
+        found = ", ".join(sorted(n for n in names
                                  if n.startswith(tuple(_KERNEL_PREFIX.values()))))
         raise RuntimeError(f"the {implementation} step ran "
                            f"{found or 'no fused or foreach kernel'}: torch did not run the "
@@ -293,21 +298,24 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
             if scaler is not None:
                 scaler.unscale_(opt)  # clip the true gradients, as torch's AMP recipe does
             clip_norm()
-        # The first step only: the implementation is chosen per step() call, and a dispatch
-        # mode on every step would be timed with it (``step_time`` times later steps). Sparse
-        # gradients torch steps with the for-loop whatever the flag (Adagrad's and SGD's
-        # foreach paths hand them to the single-tensor code): nothing to check there.
+        # The first step that runs only: the implementation is chosen per step() call, and a
+        # dispatch mode on every step would be timed with it (``step_time`` times later
+        # steps). Not a step the GradScaler skipped (an inf in the scaled gradients: no
+        # optimizer step, no kernel), and not sparse gradients, which torch steps with the
+        # for-loop whatever the flag (Adagrad's and SGD's foreach paths hand them on).
         sparse = any(p.grad is not None and p.grad.is_sparse for p in every)
-        checked = (implementation_ran(implementation) if first[0] and not sparse
-                   else contextlib.nullcontext())
-        first[0] = False
-        with checked:
+        kernels = _Kernels() if first[0] and implementation and not sparse else None
+        scale = None if scaler is None else scaler.get_scale()
+        with kernels or contextlib.nullcontext():
             if scaler is None:
                 opt.step()
             else:
                 scaler.step(opt)
         if scaler is not None:
             scaler.update()
+        if kernels is not None and (scaler is None or scaler.get_scale() >= scale):
+            first[0] = False
+            _ran(implementation, kernels.names)
         opt.zero_grad()  # set_to_none, torch's default and Zero2's only behaviour
 
     every = [p for p in model.parameters()]

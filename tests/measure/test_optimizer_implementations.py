@@ -145,3 +145,19 @@ def test_each_implementation_dispatches_its_own_kernels(implementation):
         with pytest.raises(RuntimeError, match=f"the {other} step ran .*_{implementation}"), \
                 implementation_ran(other):
             step()
+
+
+
+def _overflowing(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    # Scaled by the GradScaler's 65536, this loss's gradients are inf in fp16: every step is
+    # skipped, as real fp16 training skips its first steps until the scale has come down.
+    return torch.nn.functional.mse_loss(output.float(), target) * 1e30
+
+
+def test_a_step_the_grad_scaler_skips_is_no_missing_kernel():
+    # A skipped step runs no optimizer kernel at all; only a step that ran is checked.
+    workload = TinySpec().workload().replace(name="skipped", precision="fp16", loss=_overflowing)
+    initial = {n: p.detach() for n, p in workload.build().named_parameters()}
+    for implementation in ("foreach", "fused"):
+        snapshots = trajectory(workload, torch.optim.SGD, {"lr": 0.1}, implementation, steps=2)
+        assert all(torch.equal(snapshots[-1][n], p) for n, p in initial.items())
