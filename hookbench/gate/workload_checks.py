@@ -74,8 +74,8 @@ from hookbench.engines.loop import ACCUMULATION, Refused
 from hookbench.engines.memory import rank_peak
 from hookbench.measure import zero2_runs
 from hookbench.measure.memory import MemoryResult, measure_or_fall_back
-from hookbench.measure.parity import (IMPLEMENTATION_FLAGS, Tolerance, accepts, compare,
-                                      tolerance, trajectory)
+from hookbench.measure.parity import (Tolerance, accepts, compare, tolerance, trajectory,
+                                      without_implementation)
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
 __all__ = ["BATCHES", "DESIGNED", "MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS",
@@ -150,7 +150,7 @@ def forloop_options(workload: Workload) -> dict[str, Any]:
     implementation flag (``fused=True`` on FSDP2's DTensor shards has no kernel), with
     ``foreach=False`` where the class takes that option."""
     cls, kwargs = workload.optimizer
-    options = {k: v for k, v in kwargs.items() if k not in IMPLEMENTATION_FLAGS}
+    options = without_implementation(kwargs)
     return {**options, "foreach": False} if accepts(cls, "foreach") else options
 
 

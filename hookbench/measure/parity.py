@@ -58,6 +58,7 @@ __all__ = [
     "tolerance",
     "training",
     "trajectory",
+    "without_implementation",
 ]
 
 # The optimizer families hookbench verifies, with settings that exercise their less common
@@ -114,6 +115,12 @@ def tolerance(strategy: str, dtype: torch.dtype) -> Tolerance | None:
 
 # The options that choose how a torch optimizer's step is computed, not what it computes.
 IMPLEMENTATION_FLAGS = ("foreach", "fused")
+
+
+def without_implementation(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer options less an implementation flag (``IMPLEMENTATION_FLAGS``)."""
+    return {k: v for k, v in kwargs.items() if k not in IMPLEMENTATION_FLAGS}
+
 # What each implementation's step dispatches: torch's kernels for it are named so
 # (aten._fused_adam_, aten._foreach_mul_, ...); the for-loop dispatches neither.
 _KERNEL_PREFIX = {"fused": "_fused_", "foreach": "_foreach_"}
@@ -303,8 +310,8 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
         # steps). Not a step the GradScaler skipped (an inf in the scaled gradients: no
         # optimizer step, no kernel), and not sparse gradients, which torch steps with the
         # for-loop whatever the flag (Adagrad's and SGD's foreach paths hand them on).
-        sparse = any(p.grad is not None and p.grad.is_sparse for p in every)
-        kernels = _Kernels() if first[0] and implementation and not sparse else None
+        kernels = (_Kernels() if first[0] and implementation and not any(
+            p.grad is not None and p.grad.is_sparse for p in every) else None)
         scale = None if scaler is None else scaler.get_scale()
         with kernels or contextlib.nullcontext():
             if scaler is None:
@@ -322,7 +329,7 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
     # A class without a foreach option (transformers' Adafactor, ...) has one implementation,
     # its for-loop: it is given no flag. foreach and fused there raise its own TypeError.
     loop = {"foreach": False} if accepts(cls, "foreach") else {}
-    options = {k: v for k, v in kwargs.items() if k not in IMPLEMENTATION_FLAGS}
+    options = without_implementation(kwargs)
     if strategy in ("forloop", "foreach", "fused"):
         impl = {"forloop": loop, "foreach": {"foreach": True},
                 "fused": {"fused": True}}[strategy]
