@@ -19,11 +19,13 @@ path is taken out of the printed lines again; ``Sample.before`` runs first in th
 from __future__ import annotations
 
 import argparse
+import atexit
 import difflib
 import functools
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -96,17 +98,30 @@ def run(sample: Sample) -> str:
 
 @functools.cache  # the README's report and docs/report.md's are one run
 def _printed(before: tuple[str, ...], argv: tuple[str, ...], cwd: str, exit: int) -> str:
-    with tempfile.TemporaryDirectory() as tmp:
-        for command, code in ((before, 0), (argv, exit)) if before else ((argv, exit),):
-            args = [a.replace("{out}", f"{tmp}/hookbench-out") for a in command]
-            proc = subprocess.run([sys.executable, "-m", "hookbench", *args], cwd=ROOT / cwd,
-                                  env={**os.environ, "PYTHONPATH": "."}, capture_output=True,
-                                  text=True)
-            if proc.returncode != code:
-                raise RuntimeError(f"hookbench {' '.join(command)} (in {cwd}) exited "
-                                   f"{proc.returncode}, not {code}:\n{proc.stdout}"
-                                   f"{proc.stderr[-3000:]}")
-        return proc.stdout.replace(f"{tmp}/", "")
+    tmp = _folder(before, cwd)
+    return _hookbench(argv, cwd, exit, tmp).replace(f"{tmp}/", "")
+
+
+@functools.cache  # examples/charlm's two samples gate one recorded baseline
+def _folder(before: tuple[str, ...], cwd: str) -> str:
+    """A temporary folder, removed at exit, in which ``before`` has run (in ``cwd``)."""
+    tmp = tempfile.mkdtemp(prefix="hookbench-sample-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    if before:
+        _hookbench(before, cwd, 0, tmp)
+    return tmp
+
+
+def _hookbench(command: tuple[str, ...], cwd: str, code: int, tmp: str) -> str:
+    """What ``hookbench command`` prints, run in ``cwd`` with ``{out}`` in ``tmp``;
+    RuntimeError unless it exits ``code``."""
+    args = [a.replace("{out}", f"{tmp}/hookbench-out") for a in command]
+    proc = subprocess.run([sys.executable, "-m", "hookbench", *args], cwd=ROOT / cwd,
+                          env={**os.environ, "PYTHONPATH": "."}, capture_output=True, text=True)
+    if proc.returncode != code:
+        raise RuntimeError(f"hookbench {' '.join(command)} (in {cwd}) exited "
+                           f"{proc.returncode}, not {code}:\n{proc.stdout}{proc.stderr[-3000:]}")
+    return proc.stdout
 
 
 def _is_row(line: str) -> bool:

@@ -9,9 +9,11 @@ status=0
 expect() {  # expect CODE PATTERN COMMAND...: fail unless it exits CODE and prints PATTERN
     local want=$1 pattern=$2; shift 2
     echo "+ $* (must exit $want and print '$pattern')"
+    local start=$SECONDS
     "$@" > check.log 2>&1
     local got=$?
     tail -n 3 check.log
+    echo "  ($((SECONDS - start)) s)"
     if [ "$got" -ne "$want" ] || ! grep -q -- "$pattern" check.log; then
         echo "check.sh: '$*' exited $got, expected $want and '$pattern'; its output:" >&2
         cat check.log >&2

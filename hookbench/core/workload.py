@@ -29,7 +29,12 @@ module-level functions there, not lambdas.
 Options (one field each):
     precision      "fp32"; "bf16": forward and loss under ``torch.autocast(dtype=bfloat16)``;
                    "fp16": under float16 autocast with a ``torch.amp.GradScaler``, where the
-                   strategy supports it (the optimizer in backward refuses fp16, in words)
+                   strategy supports it (the optimizer in backward refuses fp16, in words);
+                   "bf16-true", "fp16-true": pure low precision, as torchtune trains by
+                   default: the model's floating parameters and buffers cast to that dtype
+                   (so its optimizer state is in it too), floating inputs cast to it, no
+                   autocast, no fp32 master copy and no loss scaling (torch's GradScaler
+                   refuses fp16 gradients). Not with ``compile`` (refused in words)
     checkpointing  "none"; "blocks": every top-level child of the model; "repeated": every
                    instance of the first module class (in module order) that has children
                    and more than one instance, torch's containers aside (a transformer's
@@ -84,13 +89,15 @@ except ImportError:  # pragma: no cover
 from hookbench.core.prerequisites import one_line
 from hookbench.mechanisms.activation_offload import ActivationOffload
 
-__all__ = ["CHECKPOINTING", "OFFLOAD", "PRECISIONS", "Workload", "checkpointed", "configured",
+__all__ = ["CHECKPOINTING", "OFFLOAD", "PRECISIONS", "PURE", "Workload", "checkpointed", "configured",
            "load", "of", "seeded_rngs", "to_device"]
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true", "fp16-true")
 CHECKPOINTING = ("none", "blocks", "repeated")
 OFFLOAD = (None, "lossless", "bf16", "int8")
 _AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Pure low precision: the dtype the whole model trains in (``Workload.pure``).
+PURE = {"bf16-true": torch.bfloat16, "fp16-true": torch.float16}
 
 
 @dataclass(frozen=True, eq=False)
@@ -156,6 +163,14 @@ class Workload:
                             f"backend name, got {self.compile!r}")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"Workload {self.name!r}: seed must be an int >= 0")
+        if self.pure is not None and self.compile is not None:
+            # Inductor keeps fused low-precision chains in fp32 between ops, eager rounds
+            # after each: another arithmetic, and in bf16 one rounding is a whole small update,
+            # so no comparison between strategies would say anything.
+            raise ValueError(f"Workload {self.name!r}: precision={self.precision!r} with "
+                             f"compile={self.compile!r} is not supported: compiled low-"
+                             f"precision code rounds elsewhere than eager code, by as much as "
+                             f"an update; check the pure-precision workload eager")
 
     def replace(self, **changes: Any) -> Workload:
         """This workload with some fields changed (validated again)."""
@@ -179,9 +194,16 @@ class Workload:
                 # An instance attribute: Module.__call__ (and its hooks) run as before, only
                 # the block's own forward is recomputed in backward.
                 block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        if self.pure is not None:
+            model.to(self.pure)  # parameters and buffers: the optimizer state follows them
         if self.compile is not None:
             model.compile(backend=self.compile)  # in place: parameter names stay as they are
         return model
+
+    @property
+    def pure(self) -> torch.dtype | None:
+        """The dtype a pure low-precision workload trains in (``PURE``), else None."""
+        return PURE.get(self.precision)
 
     def data(self, index: int) -> tuple[Any, torch.Tensor]:
         """The ``index``-th (inputs, target), the same on every call."""
@@ -197,6 +219,8 @@ class Workload:
         if not all(torch.is_tensor(t) for t in (*tensors, target)):
             raise TypeError(f"Workload {self.name!r}: inputs must be a tensor, a tuple of "
                             f"tensors or a dict of them, and target a tensor")
+        if self.pure is not None:  # what a pure-bf16 model is fed; token ids stay as they are
+            inputs = _apply(inputs, lambda t: t.to(self.pure) if t.is_floating_point() else t)
         return inputs, target
 
     def check(self, shares: int = 1, batches: int = 1) -> None:
@@ -206,9 +230,18 @@ class Workload:
         ``ValueError`` in one line naming the workload, the function, the batch and the
         problem (a factory, batch function, forward or loss that raises; a batch that does
         not split over ``shares`` data-parallel ranks; a loss that is not a finite scalar
-        depending on the parameters). A compiled workload is checked eager (compiling takes
+        depending on the parameters; low-precision parameters the precision does not
+        declare). A compiled workload is checked eager (compiling takes
         long)."""
         eager = self.replace(compile=None)
+        dtype = self._call("model()", lambda: self.parameter_dtype)
+        if self.pure is None and dtype not in (torch.float32, torch.float64):
+            # float32's tolerances would be a whole bf16 rounding too tight
+            raise ValueError(f"workload {self.name!r}: model() builds parameters in "
+                             f"{str(dtype).removeprefix('torch.')} under precision="
+                             f"{self.precision!r}; declare precision='bf16-true' or "
+                             f"'fp16-true' (pure low precision: the model and its inputs are "
+                             f"cast), or build in float32 for autocast ('bf16', 'fp16')")
         model = self._call("model()", eager.build)
         for index in range(batches):
             self._check_batch(model, index, shares)
@@ -284,13 +317,17 @@ class Workload:
 
     @property
     def parameter_dtype(self) -> torch.dtype:
-        """The dtype of the model's first parameter (parity tolerances are per dtype)."""
+        """The dtype of the model's first parameter as trained (parity tolerances are per
+        dtype): a pure precision's dtype, else what ``model()`` builds."""
+        if self.pure is not None:
+            return self.pure
         with torch.device("meta"):
             return next(self.model().parameters()).dtype
 
     def autocast(self, device: str | torch.device) -> contextlib.AbstractContextManager:
-        """The precision's autocast region for forward and loss (nothing for fp32)."""
-        if self.precision == "fp32":
+        """The precision's autocast region for forward and loss (nothing for fp32 and the
+        pure precisions)."""
+        if self.precision not in _AUTOCAST:
             return contextlib.nullcontext()
         return torch.autocast(torch.device(device).type, dtype=_AUTOCAST[self.precision])
 
@@ -412,11 +449,16 @@ def checkpointed(model: nn.Module, selector: Any) -> list[nn.Module]:
 
 def to_device(inputs: Any, device: str | torch.device) -> Any:
     """Inputs (a tensor, a tuple of tensors or a dict of them) on ``device``."""
+    return _apply(inputs, lambda t: t.to(device))
+
+
+def _apply(inputs: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` on each tensor of inputs (a tensor, a tuple of tensors or a dict of them)."""
     if isinstance(inputs, dict):
-        return {k: t.to(device) for k, t in inputs.items()}
+        return {k: fn(t) for k, t in inputs.items()}
     if isinstance(inputs, tuple):
-        return tuple(t.to(device) for t in inputs)
-    return inputs.to(device)
+        return tuple(fn(t) for t in inputs)
+    return fn(inputs)
 
 
 def of(spec: Any) -> Workload:

@@ -81,11 +81,13 @@ _COMMUNICATION = ("all-gather buffers", "gathered gradients", "reduce-scatter bu
 _STATES = ("sharded parameters", "sharded gradients", "optimizer state")  # the paper's
 
 
-def state_bytes(optimizer_class: type, kwargs: dict[str, Any]) -> tuple[int, int]:
+def state_bytes(optimizer_class: type, kwargs: dict[str, Any],
+                dtype: torch.dtype = torch.float32) -> tuple[int, int]:
     """The optimizer's state per parameter element and per parameter tensor, in bytes, read off
-    one step of it on a 64-element parameter: Adam (8, 4): two fp32 moments and a step count."""
-    p = torch.nn.Parameter(torch.zeros(64))
-    p.grad = torch.ones(64)
+    one step of it on a 64-element parameter in ``dtype``: Adam in fp32 (8, 4), two moments
+    and a step count; in pure bf16 (4, 4), the moments in the parameter's dtype."""
+    p = torch.nn.Parameter(torch.zeros(64, dtype=dtype))
+    p.grad = torch.ones(64, dtype=dtype)
     optimizer = optimizer_class([p], **kwargs)
     optimizer.step()
     per_element = per_tensor = 0
@@ -130,23 +132,25 @@ def _shards(model: torch.nn.Module, world: int, groups: list[list[torch.nn.Param
 
 
 def _states(model: torch.nn.Module, world: int, groups: list[list[torch.nn.Parameter]],
-            setting: str, optimizer: tuple[int, int], with_grad: set[str], stepped: set[str]
-            ) -> dict[str, int]:
+            setting: str, optimizer: tuple[int, int], with_grad: set[str], stepped: set[str],
+            element: int) -> dict[str, int]:
     """The paper's model states on a rank: the shards of every parameter, of the gradients of
     ``with_grad`` (with the optimizer in backward, only the largest unit's at once) and of the
-    optimizer state of ``stepped``."""
+    optimizer state of ``stepped``; ``element``: bytes of a sharded parameter's element (4 in
+    fp32 and under a mixed-precision policy, whose shards stay fp32; 2 in pure bf16)."""
     grads, state = (_shards(model, world, groups, have) for have in (with_grad, stepped))
     per_element, per_tensor = optimizer
-    return {"sharded parameters": 4 * sum(_padded(p, world) for g in groups for p in g),
-            "sharded gradients": 4 * (max(map(sum, grads)) if setting == "in_backward"
-                                      else sum(map(sum, grads))),
+    return {"sharded parameters": element * sum(_padded(p, world) for g in groups for p in g),
+            "sharded gradients": element * (max(map(sum, grads)) if setting == "in_backward"
+                                            else sum(map(sum, grads))),
             "optimizer state": per_element * sum(map(sum, state))
             + per_tensor * sum(map(len, state))}
 
 
 def _predicted(model: torch.nn.Module, blocks: list[torch.nn.Module], world: int,
                setting: str, param_bytes: int, optimizer: tuple[int, int],
-               gradients: list[set[str]]) -> tuple[dict[str, int], tuple[int, int]]:
+               gradients: list[set[str]], element: int = 4
+               ) -> tuple[dict[str, int], tuple[int, int]]:
     """The bound's predicted terms, on a model before ``fully_shard``, and the least and the
     most model states live when the last backward has ended; ``gradients``: the parameters
     that get one in one process, per backward (``_gradients``).
@@ -162,12 +166,12 @@ def _predicted(model: torch.nn.Module, blocks: list[torch.nn.Module], world: int
         [p for p in model.parameters() if id(p) not in in_blocks]]
     every = {n for n, p in model.named_parameters() if p.requires_grad}
     in_backward = setting == "in_backward"
-    states = _states(model, world, groups, setting, optimizer, every, every)
+    states = _states(model, world, groups, setting, optimizer, every, every, element)
     low = _states(model, world, groups, setting, optimizer,
                   set() if in_backward else gradients[-1],
-                  set().union(*(gradients if in_backward else gradients[:-1])))
+                  set().union(*(gradients if in_backward else gradients[:-1])), element)
     high = _states(model, world, groups, setting, optimizer, set() if in_backward else every,
-                   every)
+                   every, element)
     shard = [[_padded(p, world) for p in g] for g in groups]
     trainable = [[_padded(p, world) for p in g if p.requires_grad] for g in groups]
     gathered = [world * sum(s) for s in shard]  # elements of each unit when gathered
@@ -177,7 +181,7 @@ def _predicted(model: torch.nn.Module, blocks: list[torch.nn.Module], world: int
     held = (sum(gathered) if setting == "zero2" else gathered[-1] + sum(two))
     return {**states, "gathered parameters": param_bytes * held,
             "communication": (param_bytes * gathered[largest] + param_bytes * grads[largest]
-                              + 4 * grads[largest])}, (sum(low.values()), sum(high.values()))
+                              + element * grads[largest])}, (sum(low.values()), sum(high.values()))
 
 
 def _run(workload: Workload, setting: str, world: int, fake: bool) -> dict[str, Any]:
@@ -200,8 +204,11 @@ def _run(workload: Workload, setting: str, world: int, fake: bool) -> dict[str, 
             model = workload.build()
         keep_whole = fsdp2.called_outside(workload, fake)
         blocks = fsdp2.units(model, keep_whole)
-        predicted, at_end = _predicted(model, blocks, world, setting, 2 if param_dtype else 4,
-                                       state_bytes(cls, kwargs), _gradients(workload, fake))
+        element = workload.parameter_dtype.itemsize  # pure bf16: 2; fp32 and mixed: 4
+        predicted, at_end = _predicted(
+            model, blocks, world, setting, 2 if param_dtype else element,
+            state_bytes(cls, kwargs, workload.parameter_dtype), _gradients(workload, fake),
+            element)
         if fake:
             stack.enter_context(FakeTensorMode())
             materialize(model)

@@ -3,7 +3,11 @@ on the installed torch. The optimizer in backward against ``optimizer.step()`` p
 (``checks.optimizer_in_backward_section``: bit-exact where the arithmetic is identical, within
 the per-dtype tolerance where it is not), and the standard foreach and fused steps against the
 for-loop step, per family and option variant (``parity.IMPLEMENTATION_CASES``), in float32 and
-float64. Another torch release is so checked against its own for-loop."""
+float64 over whole trajectories, and in bfloat16 one step at a time from the for-loop's state
+(``parity.stepwise``: in 8 bits a rounding is as large as a small update, so trajectories part
+for no fault of either side). Another torch release is so checked against its own for-loop:
+the bf16 rows find pytorch#191763 (CPU fused SGD leaving bf16 parameters unchanged, torch 2.12
+and 2.13)."""
 
 from __future__ import annotations
 
@@ -15,12 +19,15 @@ import torch
 from hookbench.gate.checks import (ACCUMULATION, REPORT_SPEC, STEPS, Run, Section,
                                    optimizer_in_backward_section)
 from hookbench.measure.parity import (AGAINST_FORLOOP, IMPLEMENTATION_CASES, against_forloop,
-                                      missing_implementation)
+                                      missing_implementation, stepwise)
 
 FAULTS = None
 measure = None  # live: judged on the installed torch alone
-# The float64 rows hold PyTorch's own foreach test's precision (parity.tolerance).
-IMPLEMENTATION_DTYPES = (torch.float32, torch.float64)
+# The float64 rows hold PyTorch's own foreach test's precision (parity.tolerance); bfloat16 is
+# torchtune's default training dtype (pure, no fp32 masters). No float16 rows: the families'
+# settings make non-finite values in pure fp16 on the for-loop itself (Adam's eps 1e-8 is 0 in
+# fp16), which ``stepwise`` refuses, as it must.
+IMPLEMENTATION_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
 def _against_forloop(cls: type, kwargs: dict, implementation: str,
@@ -28,8 +35,9 @@ def _against_forloop(cls: type, kwargs: dict, implementation: str,
     missing = missing_implementation(cls, implementation)  # torch must refuse, not ignore, it
     if missing is not None:
         return True, missing
-    result = against_forloop(dataclasses.replace(REPORT_SPEC, dtype=dtype), cls, kwargs,
-                             implementation, steps=STEPS, accumulation=ACCUMULATION)
+    compared = stepwise if dtype == torch.bfloat16 else against_forloop
+    result = compared(dataclasses.replace(REPORT_SPEC, dtype=dtype), cls, kwargs,
+                      implementation, steps=STEPS, accumulation=ACCUMULATION)
     return result.ok, result.verdict()
 
 

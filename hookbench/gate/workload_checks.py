@@ -74,8 +74,8 @@ from hookbench.engines.loop import ACCUMULATION, Refused
 from hookbench.engines.memory import rank_peak
 from hookbench.measure import zero2_runs
 from hookbench.measure.memory import MemoryResult, measure_or_fall_back
-from hookbench.measure.parity import (Tolerance, accepts, compare, tolerance, trajectory,
-                                      without_implementation)
+from hookbench.measure.parity import (AGAINST_FORLOOP, Tolerance, accepts, compare, stepwise,
+                                      tolerance, trajectory, without_implementation)
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
 __all__ = ["BATCHES", "DESIGNED", "MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS",
@@ -186,16 +186,20 @@ def refused_words(error: str) -> str:
 
 
 def _tolerance(workload: Workload, identical: bool) -> Tolerance | None:
-    dtype = workload.parameter_dtype
-    if dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"workload {workload.name!r}: parameters in {dtype}; hookbench states "
-                         f"tolerances for float32 and float64 parameters (train in low "
-                         f"precision with precision='bf16' or 'fp16', which autocasts)")
+    if workload.pure is not None:
+        # In pure low precision a tolerance would have to be a rounding of the parameter
+        # (bf16: 1/256 of it), which is as large as a small update: it could not fail a step
+        # that went wrong. Every pair compared so runs the same kernels on the same tensors
+        # (the for-loop in backward, the foreach modes in groups and buckets, whose kernels
+        # work per element), so bit for bit; the implementations against the for-loop are
+        # held step by step instead (``parity.stepwise``), and the recorded trajectory bit for
+        # bit (measured: the same bits on torch 2.12.1 to 2.14.1, where nothing changed).
+        return None
     if identical and workload.compile is None:
         return None  # the same operations in the same order: bit for bit
     if workload.precision in _AUTOCAST_TOLERANCE:
         return _AUTOCAST_TOLERANCE[workload.precision]
-    return tolerance("foreach", dtype)
+    return tolerance("foreach", workload.parameter_dtype)
 
 
 def _refused(workload: Workload, strategy: str) -> dict[str, Any]:
@@ -230,14 +234,17 @@ def trajectories(workload: Workload) -> dict[str, dict[str, Any]]:
             # what two implementations of the step may differ by.
             machine = _tolerance(workload, identical=False)
             row = {**fingerprint(runs[strategy], SAMPLE), "problems": [],
-                   "tolerance": {"rtol": machine.rtol, "atol": machine.atol}}
+                   "tolerance": machine and {"rtol": machine.rtol, "atol": machine.atol}}
             if _reference(workload, strategy):
                 reference, identical = _reference(workload, strategy)
-                if reference not in runs:
+                if workload.pure is not None and strategy in AGAINST_FORLOOP:
+                    result = stepwise(workload, cls, kwargs, strategy, steps=STEPS)
+                elif reference not in runs:
                     row["problems"].append(f"no {reference} run to compare with")
                     return row
-                result = compare(runs[strategy], runs[reference],
-                                 _tolerance(workload, identical))
+                else:
+                    result = compare(runs[strategy], runs[reference],
+                                     _tolerance(workload, identical))
                 row["parity"] = f"vs {reference}: {result.verdict()}"
                 if not result.ok:
                     row["problems"].append(row["parity"])
@@ -355,7 +362,15 @@ def engine_rows(workloads: list[Workload], stopped: dict[str, dict[str, dict[str
 
 def _zero2_tolerance(w: Workload) -> Tolerance:
     # Another order of the fp32 gradient sum (and of a clipping norm): an ulp apart, which
-    # autocast turns into a low-precision rounding now and then, as above.
+    # autocast turns into a low-precision rounding now and then, as above. In pure low
+    # precision the ranks sum gradients in that precision, so a parameter lands a rounding
+    # of its own away now and then: up to 2 ulps relative (an ulp is eps|p| just above a power
+    # of two), with an absolute floor of eps/2 of 1e-3 for elements near zero. A gradient that
+    # went wrong moves a parameter by a whole update, which is larger wherever the update is
+    # larger than a rounding (the pure rows' faults: tests/measure/test_pure_precision.py).
+    if w.pure is not None:
+        eps = torch.finfo(w.pure).eps
+        return Tolerance(rtol=2 * eps, atol=eps * 1e-3 / 2)
     return _AUTOCAST_TOLERANCE.get(w.precision, zero2_runs.TOLERANCE)
 
 
@@ -605,7 +620,7 @@ def yardstick_problem(rec: dict | None, value: dict) -> str | None:
     was, now = (rec or {}).get("noise_floor"), value.get("noise_floor")
     if not was or not now:
         return None
-    atol = value["tolerance"]["atol"]
+    atol = (value.get("tolerance") or {}).get("atol", 0.0)
     over = [(step, n, w) for step, (w, n) in enumerate(zip(was, now))
             if n > YARDSTICK_HEADROOM * w + atol]
     if not over:
@@ -679,7 +694,8 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
                         f"recorded, training unchanged: " + ("identical" if ok else
                         f"CHANGED: recorded {'nothing' if rec is None else rec.get('records')}"))
         else:  # another CPU may change the bits: then the row's own tolerance
-            ok, verdict = trajectory_verdict(rec, value, Tolerance(**value["tolerance"]),
+            tol = value.get("tolerance")
+            ok, verdict = trajectory_verdict(rec, value, tol and Tolerance(**tol),
                                              run.machine_note)
             drift = yardstick_problem(rec, value)
             section.add(ok and drift is None, key,

@@ -16,7 +16,9 @@ unpack hand back the tensor unpacked before (``unpack_returns_stale``), make act
 keep each offloaded tensor's device copy alive, or compress in lossless mode; engine faults make
 FSDP2 forget the hooks on its shards, the reduce-scatter hand a rank its neighbour's slice, or
 DDP hand each gradient bucket to its communication hook twice; ``implementation_flag_ignored``
-drops an optimizer's ``foreach``/``fused`` choice, so its step runs the for-loop.
+drops an optimizer's ``foreach``/``fused`` choice, so its step runs the for-loop;
+``fused_sgd_skips_low_precision`` leaves bf16 and fp16 parameters unchanged by fused SGD
+(pytorch#191763, torch 2.12 and 2.13 on CPU).
 The fault tests, ``pytest --hookbench-fault NAME``
 and ``hookbench selfcheck`` run the checks under each fault and require that they fail.
 """
@@ -137,6 +139,20 @@ def _ignores_implementation_flags(original: Callable) -> Callable:
                 self.param_groups[-1][flag] = None
 
     return add_param_group
+
+
+def _skips_low_precision(original: Callable) -> Callable:
+    # pytorch#191763 (torch 2.12 and 2.13, fixed by #192545): CPU fused SGD skips the update
+    # of bf16 and fp16 parameters, which stay as they were; the kernel still runs.
+    def _fused_sgd(params, *args, **kwargs):
+        kept = [(p, p.detach().clone()) for p in params
+                if p.dtype in (torch.bfloat16, torch.float16)]
+        original(params, *args, **kwargs)
+        with torch.no_grad():
+            for p, value in kept:
+                p.copy_(value)
+
+    return _fused_sgd
 
 
 def _wrong_slice(original: Callable) -> Callable:
@@ -474,6 +490,9 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "ddp_bucket_reduced_twice": (_comm_hook_registration, _reduces_each_bucket_twice),
     "implementation_flag_ignored": (lambda: [(torch.optim.Optimizer, "add_param_group")],
                                     _ignores_implementation_flags),
+    "fused_sgd_skips_low_precision": (lambda: [(importlib.import_module("torch.optim.sgd"),
+                                                "_fused_sgd")],
+                                      _skips_low_precision),
 }
 assert tuple(FAULTS) == names.FAULTS, "hookbench.core.names.FAULTS lists the faults"
 HOOK_FAULTS = [name for name, fault in FAULTS.items()

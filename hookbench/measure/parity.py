@@ -55,6 +55,7 @@ __all__ = [
     "parameters_only",
     "rounding_level",
     "start",
+    "stepwise",
     "tolerance",
     "training",
     "trajectory",
@@ -408,6 +409,7 @@ class Comparison:
     tolerance: Tolerance | None
     # elements whose gradient was at rounding level, each within its own bound (``compare``)
     rounding_level: int = 0
+    bound: str = ""  # the bound in words where it is not ``tolerance``'s (``stepwise``)
 
     @property
     def ok(self) -> bool:
@@ -420,6 +422,9 @@ class Comparison:
             return f"MISMATCH (bit-exact expected) max |diff| {self.max_abs:.3g} at {self.where}"
         t = self.tolerance
         head = "ok" if self.ok else "FAIL"
+        if self.bound:
+            return (f"{head}: max |diff| {self.max_abs:.3g}, {self.ratio:.3g}x of the bound "
+                    f"({self.bound}) at {self.where}")
         noise = (f"; {self.rounding_level} elements with a gradient at rounding level each "
                  f"within 2 x the optimizer's largest step per lr x the lr summed over steps"
                  if self.rounding_level else "")
@@ -644,6 +649,131 @@ def missing_implementation(cls: type[torch.optim.Optimizer], implementation: str
                 f"raises TypeError: {e}")
     raise AssertionError(f"{cls.__name__} accepts {implementation}=True, which its signature "
                          f"does not name")
+
+
+# -- low precision: one step at a time from the for-loop's state --------------------------------
+
+STEPWISE_BOUND = ("each step from the for-loop's state, within 2 eps|new| + 16 eps|change| + "
+                  "2 x the for-loop's own largest error against float64")
+
+
+def stepwise(spec: Workload | TinySpec, cls: type[torch.optim.Optimizer],
+             kwargs: dict[str, Any], implementation: str, *, steps: int = 3,
+             accumulation: int = 1) -> Comparison:
+    """The standard step with ``implementation`` ("foreach" or "fused") against the for-loop
+    step in the model's own low precision, one step at a time: before each step the
+    implementation's copy takes the for-loop's parameters, gradients and optimizer state, so
+    the two take the same step from the same point.
+
+    Why not whole trajectories, as in float32: a bf16 parameter keeps 8 bits, so one rounding
+    of an update is as large as a small update itself, and two implementations that round
+    one element differently feed the next forward different weights; their trajectories part
+    for no fault of either (PyTorch's own test_fused_matches_forloop allows 5e-3 in low
+    precision for that reason). From a shared state the difference is one step's rounding.
+
+    The bound per element: both implementations round the same exact update, so they may
+    differ by what the for-loop's rounding differs from that update (measured: a float64
+    for-loop on the same state, the largest error over the tensor, twice: one each side), the
+    rounding of the result (2 eps|new|) and of the update's intermediates (16 eps|change|:
+    Adam's moments, its square root and division, each rounded), above the smallest normal
+    number. A kernel that skips an update (pytorch#191763: CPU fused SGD in bf16 on torch
+    2.12-2.13) misses by the whole change and fails. Raises ``ValueError`` where the for-loop
+    itself makes a non-finite value: the workload does not train in this precision."""
+    workload = of(spec)
+    model = workload.build()
+    dtype = next(model.parameters()).dtype
+    eps, tiny = torch.finfo(dtype).eps, torch.finfo(dtype).tiny
+    params = [p for p in model.parameters()]
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = workload.optimizer_params(model) or [{"params": params}]
+    loop = {"foreach": False} if accepts(cls, "foreach") else {}
+    options = without_implementation(kwargs)
+    twins = {kind: {id(p): p.detach().to(dtype if kind != "exact" else torch.float64, copy=True)
+                    .requires_grad_(p.requires_grad) for p in params}
+             for kind in ("implementation", "exact")}
+
+    def optimizer(kind: str | None, flags: dict[str, Any]) -> torch.optim.Optimizer:
+        own = [{**g, "params": [p if kind is None else twins[kind][id(p)] for p in g["params"]]}
+               for g in groups]
+        return cls(own, **{**options, **flags})
+
+    reference = optimizer(None, loop)
+    tested = optimizer("implementation", {implementation: True})
+    exact = optimizer("exact", loop)
+    scheduler = workload.scheduler(reference)
+    worst = (0.0, "", 0.0)  # (ratio, where, max |diff|)
+    identical = True
+    for step in range(steps):
+        micro = range(step * accumulation, (step + 1) * accumulation)
+        for i in micro:
+            x, y = workload.data(i)
+            (workload.compute_loss(model, x, y, (i, 0)) / accumulation).backward()
+        if workload.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, workload.clip_grad_norm, foreach=False)
+        before = {id(p): p.detach().double() for p in params}
+        before.update({(id(p), k): v.detach().double() for p in params
+                       for k, v in reference.state.get(p, {}).items() if torch.is_tensor(v)})
+        for kind, opt in (("implementation", tested), ("exact", exact)):
+            _take_state(reference, opt, twins[kind])
+        sparse = any(p.grad is not None and p.grad.is_sparse for p in params)
+        with implementation_ran(None if sparse else implementation):
+            tested.step()
+        exact.step()
+        reference.step()
+        if scheduler is not None:
+            scheduler.step()
+        for p in params:
+            if p.grad is None:
+                continue
+            name = names[id(p)]
+            pairs = [(name, p, twins["implementation"][id(p)], twins["exact"][id(p)],
+                      before[id(p)])]
+            state, theirs, true = (reference.state[p], tested.state[twins["implementation"]
+                                   [id(p)]], exact.state[twins["exact"][id(p)]])
+            pairs += [(f"{name}/{k}", v, theirs[k], true[k], before.get((id(p), k), 0.0))
+                      for k, v in state.items()
+                      if torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape]
+            for key, ours, got, truth, old in pairs:
+                ours, got = ours.detach().double(), got.detach().double()
+                if not torch.isfinite(ours).all():
+                    raise ValueError(
+                        f"the for-loop step in {str(dtype).removeprefix('torch.')} made a "
+                        f"non-finite value at step {step}, {key}: the workload does not train "
+                        f"in this precision" + (" (fp16 without loss scaling overflows or "
+                        "underflows; train fp16 as precision='fp16', autocast with a "
+                        "GradScaler)" if dtype == torch.float16 else ""))
+                if torch.equal(ours, got):
+                    continue
+                identical = False
+                change = (ours - old).abs()  # a state created by this step: from zero
+                error = float((ours - truth.detach()).abs().max())
+                allowed = (2 * eps * ours.abs() + 16 * eps * change + 2 * error + 2 * tiny)
+                diff = (got - ours).abs().nan_to_num(nan=float("inf"))
+                ratio = float((diff / allowed).max())
+                if ratio > worst[0] or not worst[1]:
+                    worst = (ratio, f"step {step}, {key}", max(worst[2], float(diff.max())))
+        model.zero_grad()
+    ratio, where, max_abs = worst
+    return Comparison(identical, max_abs, ratio, where, Tolerance(rtol=2 * eps, atol=2 * tiny),
+                      bound=STEPWISE_BOUND)
+
+
+def _take_state(reference: torch.optim.Optimizer, opt: torch.optim.Optimizer,
+                twins: dict[int, torch.Tensor]) -> None:
+    """``opt``'s parameters (``twins`` of the reference's, by id), their gradients, optimizer
+    state and hyperparameters (an LR scheduler's) set to the reference's."""
+    flags = set(IMPLEMENTATION_FLAGS)
+    for mine, theirs in zip(opt.param_groups, reference.param_groups):
+        mine.update({k: v for k, v in theirs.items() if k != "params" and k not in flags})
+        for p in theirs["params"]:
+            twin = twins[id(p)]
+            with torch.no_grad():
+                twin.copy_(p)
+            twin.grad = None if p.grad is None else p.grad.to(twin.dtype, copy=True)
+            opt.state[twin] = {k: (v.to(twin.dtype, copy=True) if torch.is_tensor(v)
+                                   and v.is_floating_point() and v.shape == p.shape
+                                   else v.clone() if torch.is_tensor(v) else v)
+                               for k, v in reference.state.get(p, {}).items()}
 
 
 def against_forloop(spec: TinySpec, cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
