@@ -138,6 +138,15 @@ class Checks:
         return self._require(workload_checks.capture(workload),
                              f"{workload.name}: activation capture changed the training step")
 
+    def assert_transform(self, workload: Workload) -> dict[str, Any]:
+        """The workload's checkpointing (its own, or the model's ``gradient_checkpointing_
+        enable``) and offload change neither the loss nor any gradient of one step, bit for
+        bit; {} where it has neither."""
+        from hookbench.gate import workload_checks
+
+        return self._require(workload_checks.transform(workload),
+                             f"{workload.name}: a memory-saving transform changed the step")
+
     def assert_hook_contract(self) -> None:
         """Every PyTorch hook behaviour the mechanisms rely on holds
         (``hookbench.measure.hook_contract``)."""

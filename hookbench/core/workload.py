@@ -79,7 +79,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+import torch.utils.checkpoint
 
 try:  # not a dependency of torch's: where it is absent, no model can draw from it
     import numpy as np
@@ -188,12 +188,13 @@ class Workload:
             blocks = checkpointed(model, self.checkpointing)
             if not blocks:
                 raise ValueError(f"Workload {self.name!r}: checkpointing="
-                                 f"{_describe(self.checkpointing)} selects no module of "
+                                 f"{describe(self.checkpointing)} selects no module of "
                                  f"{type(model).__name__}")
             for block in blocks:
                 # An instance attribute: Module.__call__ (and its hooks) run as before, only
                 # the block's own forward is recomputed in backward.
-                block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+                block.forward = functools.partial(torch.utils.checkpoint.checkpoint,
+                                                  block.forward, use_reentrant=False)
         if self.pure is not None:
             model.to(self.pure)  # parameters and buffers: the optimizer state follows them
         if self.compile is not None:
@@ -392,7 +393,8 @@ def _pair(pair: Any, name: str, field: str) -> tuple[Any, Any]:
     return pair
 
 
-def _describe(selector: Any) -> str:
+def describe(selector: Any) -> str:
+    """A ``checkpointing`` selector in words: the keyword, the classes, the pattern."""
     if isinstance(selector, tuple):
         return f"({', '.join(c.__name__ for c in selector)})"
     if isinstance(selector, re.Pattern):

@@ -33,6 +33,10 @@ For each ``hookbench.Workload`` (rows keyed ``name/what``):
     name/capture                        ``ActivationCapture`` on the training forward: the
                                         loss and every gradient bit for bit those without it,
                                         one record per module call, no hook left after it
+    name/transform                      where the workload checkpoints (its selector, or the
+                                        model's own gradient_checkpointing_enable) or
+                                        offloads: one step's loss and every gradient bit for
+                                        bit the same step without the transform (``transform``)
     name/memory/<strategy>              one step's peak on the fake backend, or on real CPU
                                         tensors where fake ones cannot run the model (the row
                                         names its backend; the gate compares like with like);
@@ -65,7 +69,7 @@ from torch.utils._pytree import tree_leaves
 
 from hookbench.core import launch
 from hookbench.core.prerequisites import attempt, one_line, warnings_kept
-from hookbench.core.workload import Workload
+from hookbench.core.workload import Workload, describe
 from hookbench.gate.baselines import fingerprint
 from hookbench.gate.checks import Run, Section, trajectory_verdict
 from hookbench.gate.memory import amount, memory_verdict
@@ -81,7 +85,7 @@ from hookbench.mechanisms.zero2 import ELEMENTWISE
 __all__ = ["BATCHES", "DESIGNED", "MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS",
            "bucket", "capture", "engine_memory", "engine_rows", "engine_runs", "forloop_options",
            "measure_all", "memory", "not_applicable", "refusal", "refused_words",
-           "say_warnings", "strategies", "trajectories", "zero2"]
+           "say_warnings", "strategies", "trajectories", "transform", "zero2"]
 
 FAULTS = None
 
@@ -447,10 +451,7 @@ def capture(workload: Workload) -> dict[str, dict[str, Any]]:
                             cap and len({(r.name, r.call) for r in cap.records}), left))
         (plain, plain_grads, _, _), (loss, grads, records, left) = results
         problems = []
-        if not torch.equal(loss, plain) or any(
-                (g is None) != (plain_grads[n] is None)
-                or (g is not None and not torch.equal(_dense(g), _dense(plain_grads[n])))
-                for n, g in grads.items()):
+        if _differs((loss, grads), (plain, plain_grads)):
             problems.append("the captured step's loss or gradients differ from the plain step's")
         if records != calls[1]:
             problems.append(f"{records} calls recorded of {calls[1]} submodule calls")
@@ -459,6 +460,93 @@ def capture(workload: Workload) -> dict[str, dict[str, Any]]:
         return {"records": records, "calls": calls[1], "problems": problems}
 
     return {f"{workload.name}/capture": _row(run)}
+
+
+def _differs(step: tuple[torch.Tensor, dict[str, torch.Tensor | None]],
+             plain: tuple[torch.Tensor, dict[str, torch.Tensor | None]]) -> str | None:
+    """What of one step (its loss, each parameter's gradient) is not bit for bit the plain
+    step's: "the loss", or the first gradient that differs, with how far; None if nothing."""
+    (loss, grads), (plain_loss, plain_grads) = step, plain
+    if not torch.equal(loss, plain_loss):
+        return f"the loss ({float(loss):.9g}, plain {float(plain_loss):.9g})"
+    for name, g in grads.items():
+        other = plain_grads[name]
+        if (g is None) != (other is None):
+            return f"{name}'s gradient ({'none' if g is None else 'one'} where the plain step has " \
+                   f"{'none' if other is None else 'one'})"
+        if g is not None and not torch.equal(_dense(g), _dense(other)):
+            diff = (_dense(g).double() - _dense(other).double()).abs().nan_to_num(float("inf"))
+            return f"{name}'s gradient (max |diff| {float(diff.max()):.3g})"
+    return None
+
+
+def transform(workload: Workload) -> dict[str, dict[str, Any]]:
+    """``name/transform``, for a workload that saves memory with a transform (its
+    checkpointing, the model's own Hugging Face ``gradient_checkpointing_enable``, activation
+    offload): one training step's loss and every gradient against the same step without the
+    transform, bit for bit. Checkpointing recomputes the forward on the random numbers it drew
+    (torch restores the RNG state) and offload hands back what it kept, so the same kernels
+    run on the same values; a transform that changes gradients (pytorch#193671: ``nn.RReLU``
+    under non-reentrant checkpointing, open) fails here, where every strategy, run under the
+    same transform, would agree with every other. A compressed offload ("bf16", "int8") is
+    lossy by design: its lossless form is held to the plain step. Compiled workloads are
+    compared eager (the compiled step is held to the eager one elsewhere)."""
+    eager = workload.replace(compile=None)
+    own = _own_checkpointing(eager)
+    used = [words for words, on in (
+        (f"checkpointing={describe(workload.checkpointing)}",
+         workload.checkpointing != "none"),
+        ("the model's gradient_checkpointing_enable()", own),
+        (f"offload={workload.offload!r}", workload.offload is not None)) if on]
+    if not used:
+        return {}
+    lossy = workload.offload not in (None, "lossless")
+    transformed = eager.replace(offload="lossless") if lossy else eager
+    plain = eager.replace(checkpointing="none", offload=None)
+
+    def run() -> dict[str, Any]:
+        x, y = workload.data(0)
+        steps = []
+        for w in (transformed, plain):
+            model = w.build()
+            if w is plain and own:
+                getattr(model, own)()
+            loss = w.compute_loss(model, x, y, (0, 0))
+            loss.backward()
+            steps.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        differ = _differs(*steps)
+        words = " and ".join(used) + (" (its lossless form: compression is lossy by design)"
+                                      if lossy else "")
+        if differ:
+            return {"problems": [f"{words}: {differ} differs from the step without it"]}
+        return {"transform": f"{words}: the loss and {len(steps[0][1])} gradients bit-exact "
+                             f"with the step without it"}
+
+    return {f"{workload.name}/transform": _row(run)}
+
+
+# A model's own switch, as transformers names it: the newer names first (5.x deprecates the
+# older, with a FutureWarning on every read).
+_SWITCHES = (("is_activation_checkpointing", "activation_checkpointing_disable"),
+             ("is_gradient_checkpointing", "gradient_checkpointing_disable"))
+
+
+def _own_checkpointing(workload: Workload) -> str | None:
+    """The name of the method that turns off the model's own checkpointing where the model
+    has it on, else None; read off a model built on the meta device (or for real where it
+    cannot be: a model that cannot be built at all fails its other rows)."""
+    for device in ("meta", None):
+        try:
+            with torch.device(device) if device else contextlib.nullcontext():
+                model = workload.model()
+            break
+        except Exception:  # noqa: BLE001 - the user's factory; its other rows say why
+            model = None
+    for flag, disable in _SWITCHES:
+        on = getattr(model, flag, None)
+        if on is not None:
+            return disable if on and hasattr(model, disable) else None
+    return None
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
@@ -648,6 +736,7 @@ def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str
                                                      for engine in verdicts.ENGINES))})
     for w in workloads:
         out.update(capture(w))
+        out.update(transform(w))
         rows = memory(w)
         out.update(rows)
         out.update(engine_memory(w))
@@ -688,6 +777,8 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
             section.add(ok, key, f"peak {amount(value['peak'])}, backend {now_on}: "
                                  f"{verdict}{fallback}"
                         + (f"; {value['against']}" if "against" in value else ""))
+        elif "transform" in value:  # live: the transformed step against the plain one
+            section.add(True, key, value["transform"])
         elif "records" in value:  # capture: a module call more or less is a changed model
             ok = rec is not None and rec.get("records") == value["records"]
             section.add(ok, key, f"{value['records']} of {value['calls']} module calls "

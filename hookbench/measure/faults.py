@@ -18,7 +18,8 @@ FSDP2 forget the hooks on its shards, the reduce-scatter hand a rank its neighbo
 DDP hand each gradient bucket to its communication hook twice; ``implementation_flag_ignored``
 drops an optimizer's ``foreach``/``fused`` choice, so its step runs the for-loop;
 ``fused_sgd_skips_low_precision`` leaves bf16 and fp16 parameters unchanged by fused SGD
-(pytorch#191763, torch 2.12 and 2.13 on CPU).
+(pytorch#191763, torch 2.12 and 2.13 on CPU); ``checkpoint_forgets_rng_state`` recomputes
+a checkpointed block on other random numbers than its forward drew.
 The fault tests, ``pytest --hookbench-fault NAME``
 and ``hookbench selfcheck`` run the checks under each fault and require that they fail.
 """
@@ -153,6 +154,16 @@ def _skips_low_precision(original: Callable) -> Callable:
                 p.copy_(value)
 
     return _fused_sgd
+
+
+def _forgets_rng_state(original: Callable) -> Callable:
+    # The recompute in backward no longer runs on the RNG state the forward drew from, as if
+    # torch ignored preserve_rng_state: dropout inside a checkpointed block draws another mask
+    # in backward than in forward, and the gradients are those of neither.
+    def checkpoint(function, *args, **kwargs):
+        return original(function, *args, **{**kwargs, "preserve_rng_state": False})
+
+    return checkpoint
 
 
 def _wrong_slice(original: Callable) -> Callable:
@@ -493,6 +504,8 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "fused_sgd_skips_low_precision": (lambda: [(importlib.import_module("torch.optim.sgd"),
                                                 "_fused_sgd")],
                                       _skips_low_precision),
+    "checkpoint_forgets_rng_state": (lambda: [(importlib.import_module("torch.utils.checkpoint"),
+                                               "checkpoint")], _forgets_rng_state),
 }
 assert tuple(FAULTS) == names.FAULTS, "hookbench.core.names.FAULTS lists the faults"
 HOOK_FAULTS = [name for name, fault in FAULTS.items()

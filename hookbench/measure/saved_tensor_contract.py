@@ -18,7 +18,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.autograd.graph import disable_saved_tensors_hooks, saved_tensors_hooks
-from torch.utils.checkpoint import checkpoint
+import torch.utils.checkpoint
 
 from hookbench.core.prerequisites import attempt
 from hookbench.core.workload import of
@@ -108,12 +108,60 @@ def non_reentrant_checkpoint_hooks_take_precedence() -> None:
     x = _x(4, 8)
     block = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
     with (hooks := _Counting()):
-        loss = checkpoint(block, x, use_reentrant=False).sin().sum()
+        loss = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sin().sum()
     loss.backward()
     seen = [t for t in hooks.tensors if t.numel()]
     _expect(len(seen) == 2 and seen[0] is x,
             f"the outer hooks packed {len(seen)} non-empty tensors, expected 2 (the block's "
             f"input, then sin's input outside the block)")
+
+
+def _against_plain(block: nn.Module, use_reentrant: bool) -> str | None:
+    """What of one step differs when ``block`` runs under ``checkpoint`` from its plain step on
+    the same random numbers: "the gradients", "the loss and the gradients", or None."""
+    x = _x(4, 8)
+    got = []
+    for checkpointed in (False, True):
+        with torch.random.fork_rng():  # the forward's draws; the recompute restores them
+            torch.manual_seed(0)
+            out = (torch.utils.checkpoint.checkpoint(block, x, use_reentrant=use_reentrant)
+                   if checkpointed else block(x))
+        loss = out.pow(2).sum()
+        leaves = [x, *block.parameters()]
+        for t in leaves:
+            t.grad = None
+        loss.backward()  # not autograd.grad: the reentrant variant refuses it
+        got.append((loss.detach(), [t.grad for t in leaves]))
+    (plain_loss, plain), (loss, grads) = got
+    if all(torch.equal(a, b) for a, b in zip(grads, plain)) and torch.equal(loss, plain_loss):
+        return None
+    return "the gradients" if torch.equal(loss, plain_loss) else "the loss and the gradients"
+
+
+def checkpoint_recomputes_the_forward() -> None:
+    """A checkpointed block with dropout gives its plain step's loss and gradients bit for
+    bit, non-reentrant and reentrant: the recompute runs on the RNG state the forward drew
+    from (``preserve_rng_state``), so it draws the same mask. Workloads' checkpointing and
+    their ``transform`` rows (``hookbench.gate.workload_checks.transform``) rely on it."""
+    block = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 8))
+    for reentrant in (False, True):
+        differ = _against_plain(block, reentrant)
+        _expect(differ is None, f"under checkpoint(use_reentrant={reentrant}) {differ} differ "
+                                f"from the plain step's")
+
+
+def rrelu_under_checkpoint_matches_the_plain_step() -> None:
+    """``nn.RReLU`` in training draws a slope per element and saves it for backward. Under
+    non-reentrant checkpointing torch leaves the recompute's noise unwritten (pytorch#193671,
+    open), so the gradients are wrong while the loss is bit for bit (2.3e14 away on 2.14.1):
+    a known failure where it reproduces, reported FIXED by a release that fixes it. Seen only
+    where RReLU ends the block (a conv, a norm and an RReLU): the recompute stops once it has
+    what backward needs, before the kernel has filled the noise it saved; after another layer
+    it runs to the end."""
+    block = nn.Sequential(nn.Linear(8, 8), nn.RReLU(0.1, 0.9))
+    differ = _against_plain(block, use_reentrant=False)
+    _expect(differ is None, f"under checkpoint(use_reentrant=False) {differ} differ from the "
+                            f"plain step's (pytorch#193671)")
 
 
 def disabled_hooks_refuse_in_their_message() -> None:
@@ -191,6 +239,8 @@ CHECKS: list[Callable[[], None]] = [
     unpack_returns_what_pack_kept,
     retained_graph_unpacks_again,
     non_reentrant_checkpoint_hooks_take_precedence,
+    checkpoint_recomputes_the_forward,
+    rrelu_under_checkpoint_matches_the_plain_step,
     disabled_hooks_refuse_in_their_message,
     no_version_check_under_hooks,
     compiled_eager_runs_the_hooks,

@@ -14,9 +14,18 @@ from hookbench.measure.faults import inject
 from hookbench.measure.hook_contract import ContractViolation
 
 
+# torch's own bugs on the pinned torch, recorded as known failures in baselines/gate.json
+# (docs/releases.md): each must fail so; a release that fixes one fails here, to be recorded
+KNOWN = {"rrelu_under_checkpoint_matches_the_plain_step": r"\(pytorch#193671\)"}
+
+
 @pytest.mark.parametrize("check", saved_tensor_contract.CHECKS, ids=lambda c: c.__name__)
 def test_contract(check):
-    check()
+    if check.__name__ not in KNOWN:
+        check()
+        return
+    with pytest.raises(ContractViolation, match=KNOWN[check.__name__]):
+        check()
 
 
 @pytest.mark.parametrize("fault, broken", [
