@@ -369,7 +369,7 @@ def _zero2_tolerance(w: Workload) -> Tolerance:
     # autocast turns into a low-precision rounding now and then, as above. In pure low
     # precision the ranks sum gradients in that precision, so a parameter lands a rounding
     # of its own away now and then: up to 2 ulps relative (an ulp is eps|p| just above a power
-    # of two), with an absolute floor of eps/2 of 1e-3 for elements near zero. A gradient that
+    # of two), above half a rounding of 1e-3 (bf16: 3.9e-6) for elements near zero. A gradient that
     # went wrong moves a parameter by a whole update, which is larger wherever the update is
     # larger than a rounding (the pure rows' faults: tests/measure/test_pure_precision.py).
     if w.pure is not None:
@@ -472,8 +472,8 @@ def _differs(step: tuple[torch.Tensor, dict[str, torch.Tensor | None]],
     for name, g in grads.items():
         other = plain_grads[name]
         if (g is None) != (other is None):
-            return f"{name}'s gradient ({'none' if g is None else 'one'} where the plain step has " \
-                   f"{'none' if other is None else 'one'})"
+            has = lambda t: "none" if t is None else "one"  # noqa: E731
+            return f"{name}'s gradient ({has(g)} where the plain step has {has(other)})"
         if g is not None and not torch.equal(_dense(g), _dense(other)):
             diff = (_dense(g).double() - _dense(other).double()).abs().nan_to_num(float("inf"))
             return f"{name}'s gradient (max |diff| {float(diff.max()):.3g})"
