@@ -89,8 +89,8 @@ except ImportError:  # pragma: no cover
 from hookbench.core.prerequisites import one_line
 from hookbench.mechanisms.activation_offload import ActivationOffload
 
-__all__ = ["CHECKPOINTING", "OFFLOAD", "PRECISIONS", "PURE", "Workload", "checkpointed", "configured",
-           "load", "of", "seeded_rngs", "to_device"]
+__all__ = ["CHECKPOINTING", "OFFLOAD", "PRECISIONS", "PURE", "Workload", "checkpointed",
+           "configured", "describe", "load", "of", "seeded_rngs", "to_device"]
 
 PRECISIONS = ("fp32", "bf16", "fp16", "bf16-true", "fp16-true")
 CHECKPOINTING = ("none", "blocks", "repeated")

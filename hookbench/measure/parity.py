@@ -701,7 +701,7 @@ def stepwise(spec: Workload | TinySpec, cls: type[torch.optim.Optimizer],
     tested = optimizer("implementation", {implementation: True})
     exact = optimizer("exact", loop)
     scheduler = workload.scheduler(reference)
-    worst = (0.0, "", 0.0)  # (ratio, where, max |diff|)
+    ratio, where, max_abs = 0.0, "", 0.0  # the worst element's ratio and place; the largest diff
     identical = True
     for step in range(steps):
         micro = range(step * accumulation, (step + 1) * accumulation)
@@ -749,11 +749,11 @@ def stepwise(spec: Workload | TinySpec, cls: type[torch.optim.Optimizer],
                 error = float((ours - truth.detach()).abs().max())
                 allowed = (2 * eps * ours.abs() + 16 * eps * change + 2 * error + 2 * tiny)
                 diff = (got - ours).abs().nan_to_num(nan=float("inf"))
-                ratio = float((diff / allowed).max())
-                if ratio > worst[0] or not worst[1]:
-                    worst = (ratio, f"step {step}, {key}", max(worst[2], float(diff.max())))
+                max_abs = max(max_abs, float(diff.max()))
+                r = float((diff / allowed).max())
+                if r > ratio or not where:
+                    ratio, where = r, f"step {step}, {key}"
         model.zero_grad()
-    ratio, where, max_abs = worst
     return Comparison(identical, max_abs, ratio, where, Tolerance(rtol=2 * eps, atol=2 * tiny),
                       bound=STEPWISE_BOUND)
 
