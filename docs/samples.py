@@ -91,6 +91,17 @@ SAMPLES = {
 }
 
 
+def runs() -> list[list[str]]:
+    """The samples grouped by the run they share: the same command in the same folder (the
+    README's report and docs/report.md's), or the same ``before`` (examples/charlm's two gate
+    samples gate one recorded baseline). The cache that shares it is per process: a test per
+    group keeps each group in one, also under pytest-xdist."""
+    groups: dict[tuple, list[str]] = {}
+    for name, s in SAMPLES.items():
+        groups.setdefault((s.cwd, s.before or s.argv), []).append(name)
+    return list(groups.values())
+
+
 def run(sample: Sample) -> str:
     """What ``sample``'s command prints on stdout; RuntimeError if it exits otherwise."""
     return _printed(sample.before, sample.argv, sample.cwd, sample.exit)

@@ -72,11 +72,20 @@ def test_the_check_passes_a_changed_timing_or_checksum_and_rewrite_puts_the_samp
                                                  f"after\n")
 
 
+def test_samples_that_share_a_run_are_one_group():
+    groups = samples.runs()
+    assert sorted(n for g in groups for n in g) == sorted(samples.SAMPLES)
+    assert ["report", "report-full"] in groups
+    assert ["charlm-gate", "charlm-gate-fault"] in groups
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(samples.SAMPLES))
-def test_the_samples_print_what_the_commands_print_now(name):
-    sample = samples.SAMPLES[name]
-    if sample.needs and importlib.util.find_spec(sample.needs) is None:
-        pytest.skip(f"{sample.needs} is not installed (the sample's optional extra)")
-    drifted = samples.check(name, samples.trim(sample, samples.run(sample)))
+@pytest.mark.parametrize("names", samples.runs(), ids="+".join)
+def test_the_samples_print_what_the_commands_print_now(names):
+    needs = {samples.SAMPLES[name].needs for name in names} - {None}
+    missing = sorted(n for n in needs if importlib.util.find_spec(n) is None)
+    if missing:
+        pytest.skip(f"{', '.join(missing)} is not installed (the samples' optional extra)")
+    drifted = [d for name in names for d in samples.check(
+        name, samples.trim(samples.SAMPLES[name], samples.run(samples.SAMPLES[name])))]
     assert not drifted, "\n".join(drifted)

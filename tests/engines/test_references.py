@@ -63,7 +63,7 @@ FLOAT32_ONLY = Workload("float32-only", model=Float32Only, batch=vectors, loss=F
 
 
 @pytest.fixture(scope="module")
-def batchnorm_row() -> dict:
+def batchnorm_row(two_threads) -> dict:
     return workload_checks.zero2([BATCHNORM], with_engines=False)["conv-bn/zero2"]
 
 
