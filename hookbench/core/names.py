@@ -12,7 +12,7 @@ FAULTS = ("fires_twice", "stops_after_first_backward", "never_fires",
           "checkpoint_key_renamed", "new_warning", "compiled_module_skips_forward_hooks",
           "pack_called_twice", "unpack_returns_stale", "offload_keeps_device_copy",
           "compression_on_exact_tensor", "fsdp2_forgets_shard_hooks",
-          "reduce_scatter_wrong_slice", "ddp_bucket_reduced_twice",
+          "reduce_scatter_wrong_slice", "ddp_bucket_reduced_twice", "ddp_drops_settings",
           "implementation_flag_ignored", "fused_sgd_skips_low_precision",
           "checkpoint_forgets_rng_state")
 REPORT_SECTIONS = ("contract", "optimizer", "capture", "memory", "zero2")

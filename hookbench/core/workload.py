@@ -55,6 +55,15 @@ Options (one field each):
     offload        None; "lossless", "bf16", "int8": forward and loss under
                    ``hookbench.mechanisms.activation_offload.ActivationOffload`` (saved activations in
                    host memory until backward; "bf16"/"int8": compressed)
+    ddp            None (hookbench's choice: ``find_unused_parameters=True``, buffers not synced,
+                   so that BatchNorm statistics stay each rank's own as under ZeRO-2 and
+                   FSDP2), or the keyword arguments the team passes to torch's
+                   ``DistributedDataParallel``, run exactly as given, torch's defaults for the
+                   rest: ``static_graph``, ``find_unused_parameters``,
+                   ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``broadcast_buffers``
+                   (``forward_sync_buffers`` from torch 2.14), ... Not ``module``,
+                   ``device_ids``, ``output_device``, ``process_group`` or ``device_mesh``:
+                   where DDP runs is hookbench's
     seed           the model's initialisation, the data, and the random numbers the forward
                    draws (dropout, masks): every forward of batch ``i`` (a ZeRO-2 rank's: of
                    its share ``r``) runs on the global RNGs (torch's, numpy's and Python's
@@ -70,6 +79,7 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import inspect
 import random
 import re
 import sys
@@ -118,6 +128,7 @@ class Workload:
     lr_scheduler: tuple[type, dict[str, Any]] | None = None
     clip_grad_norm: float | None = None
     offload: str | None = None
+    ddp: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
@@ -161,6 +172,7 @@ class Workload:
         if self.compile is not None and not (isinstance(self.compile, str) and self.compile):
             raise TypeError(f"Workload {self.name!r}: compile must be None or a torch.compile "
                             f"backend name, got {self.compile!r}")
+        _ddp_options(self.ddp, self.name)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"Workload {self.name!r}: seed must be an int >= 0")
         if self.pure is not None and self.compile is not None:
@@ -391,6 +403,33 @@ def _pair(pair: Any, name: str, field: str) -> tuple[Any, Any]:
         raise TypeError(f"Workload {name!r}: {field} must be a (class, kwargs) pair, e.g. "
                         f"(torch.optim.AdamW, {{'lr': 1e-3}}), got {pair!r}")
     return pair
+
+
+# Where DDP runs and over which ranks: hookbench's to choose, not a setting of the workload's.
+_DDP_PLACEMENT = ("module", "device_ids", "output_device", "process_group", "device_mesh")
+
+
+def _ddp_options(options: Any, name: str) -> None:
+    """Validate ``ddp``: None or a dict of ``DistributedDataParallel``'s keyword arguments on
+    this torch, placement aside."""
+    if options is None:
+        return
+    if not (isinstance(options, dict) and all(isinstance(k, str) for k in options)):
+        raise TypeError(f"Workload {name!r}: ddp must be None or a dict of "
+                        f"DistributedDataParallel's keyword arguments, got {options!r}")
+    from torch.nn.parallel import DistributedDataParallel
+
+    accepted = set(inspect.signature(DistributedDataParallel).parameters) - set(_DDP_PLACEMENT)
+    placement = sorted(set(options) & set(_DDP_PLACEMENT))
+    if placement:
+        raise ValueError(f"Workload {name!r}: ddp sets {placement}: where DDP runs and over "
+                         f"which ranks is hookbench's (gloo ranks on CPU, a GPU each on "
+                         f"CUDA); leave them out")
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise ValueError(f"Workload {name!r}: ddp has {unknown}, which torch "
+                         f"{torch.__version__}'s DistributedDataParallel does not take; it "
+                         f"takes {sorted(accepted)}")
 
 
 def describe(selector: Any) -> str:

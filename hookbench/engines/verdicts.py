@@ -190,6 +190,7 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
             out[engine] = {k: ranks[0][k] for k in ("refused", "torch_refuses") if k in ranks[0]}
         else:
             problems = (ddp.bucket_problems(ranks[0]["after_backward"], trainable)
+                        + ddp.setting_problems(workload.ddp, ranks[0])
                         if engine == "ddp" else fsdp2.hook_problems(
                             ranks[0]["after_backward"], fsdp2.unit_runs(workload),
                             engine == "fsdp2_in_backward") if engine.startswith("fsdp2")
@@ -233,6 +234,9 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
                              f"{by}: this workload's noise floor")
             elif not result.ok:
                 row["problems"].append(words[-1])
+            if workload.ddp:  # what torch says it runs, beside what was declared
+                words.append(f"declared {ddp.described(workload.ddp)}; DDP reports "
+                             f"{ddp.described(got['ddp'][0]['settings'])}")
         elif engine == "fsdp2_in_backward":
             if "fsdp2_zero3" in snaps:
                 result = compare(row["snapshots"], snaps["fsdp2_zero3"])

@@ -23,9 +23,13 @@ from hookbench.models.zoo import workload as zoo_workload
 
 # The engine faults, and a hook fault the shards' hooks must show (each run starts the ranks).
 FAULTS = ("fires_twice", "fsdp2_forgets_shard_hooks", "reduce_scatter_wrong_slice",
-          "ddp_bucket_reduced_twice")
-# Adam at the zoo's ZeRO-2 parity rate (zero2_runs.PARITY_OPTIMIZERS), for-loop
-WORKLOAD = of(zero2_runs.PARITY_SPEC).replace(optimizer=(torch.optim.Adam, {"lr": 1e-2}))
+          "ddp_bucket_reduced_twice", "ddp_drops_settings")
+# Adam at the zoo's ZeRO-2 parity rate (zero2_runs.PARITY_OPTIMIZERS), for-loop; DDP with
+# settings a team declares, each other than torch's default so that DDP ignoring it shows
+# (the arithmetic is DDP's default's: a 227-parameter model fits one bucket either way)
+WORKLOAD = of(zero2_runs.PARITY_SPEC).replace(
+    optimizer=(torch.optim.Adam, {"lr": 1e-2}),
+    ddp={"find_unused_parameters": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 1})
 
 
 # FSDP2's per-rank memory on a model with units to gather and prefetch: the zoo's transformer

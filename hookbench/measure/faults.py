@@ -15,7 +15,9 @@ forward hooks; saved-tensor faults make ``saved_tensors_hooks`` call pack twice 
 unpack hand back the tensor unpacked before (``unpack_returns_stale``), make activation offload
 keep each offloaded tensor's device copy alive, or compress in lossless mode; engine faults make
 FSDP2 forget the hooks on its shards, the reduce-scatter hand a rank its neighbour's slice, or
-DDP hand each gradient bucket to its communication hook twice; ``implementation_flag_ignored``
+DDP hand each gradient bucket to its communication hook twice, or DDP run its defaults for
+``static_graph``, ``gradient_as_bucket_view`` and ``bucket_cap_mb`` whatever it is given
+(``ddp_drops_settings``); ``implementation_flag_ignored``
 drops an optimizer's ``foreach``/``fused`` choice, so its step runs the for-loop;
 ``fused_sgd_skips_low_precision`` leaves bf16 and fp16 parameters unchanged by fused SGD
 (pytorch#191763, torch 2.12 and 2.13 on CPU); ``checkpoint_forgets_rng_state`` recomputes
@@ -27,6 +29,7 @@ and ``hookbench selfcheck`` run the checks under each fault and require that the
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import sys
 import warnings
@@ -467,6 +470,24 @@ def _reduces_each_bucket_twice(original: Callable) -> Callable:
     return register_comm_hook
 
 
+def _ddp_construction() -> list[tuple[object, str]]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return [(DistributedDataParallel, "__init__")]
+
+
+def _drops_settings(original: Callable) -> Callable:
+    # DDP runs its defaults for the settings that change how it reduces, not what: the
+    # numbers may not move, only what DDP reports running and where the gradients live show it.
+    @functools.wraps(original)  # the signature a workload's DDP settings are checked against
+    def __init__(self, module, *args, **kwargs):
+        for setting in ("static_graph", "gradient_as_bucket_view", "bucket_cap_mb"):
+            kwargs.pop(setting, None)
+        original(self, module, *args, **kwargs)
+
+    return __init__
+
+
 _ABSENT = object()
 
 Swap = tuple[Callable[[], list[tuple[object, str]]], Callable[[Callable], Callable]]
@@ -499,6 +520,7 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "fsdp2_forgets_shard_hooks": (_fsdp2_reduction, _forgets_shard_hooks),
     "reduce_scatter_wrong_slice": (_reduce_scatters, _hands_wrong_slice),
     "ddp_bucket_reduced_twice": (_comm_hook_registration, _reduces_each_bucket_twice),
+    "ddp_drops_settings": (_ddp_construction, _drops_settings),
     "implementation_flag_ignored": (lambda: [(torch.optim.Optimizer, "add_param_group")],
                                     _ignores_implementation_flags),
     "fused_sgd_skips_low_precision": (lambda: [(importlib.import_module("torch.optim.sgd"),

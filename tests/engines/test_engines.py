@@ -45,8 +45,13 @@ def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
 
 
+# DDP as a team declares it, each setting other than torch's default so that DDP ignoring it
+# shows (ddp_drops_settings); Blocks fits one bucket either way, so the arithmetic is the same
+DDP_SETTINGS = {"find_unused_parameters": True, "gradient_as_bucket_view": True,
+                "bucket_cap_mb": 1}
 WORKLOAD = Workload("blocks", model=Blocks, batch=batch, loss=F.cross_entropy,
-                    optimizer=(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}))
+                    optimizer=(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+                    ddp=DDP_SETTINGS)
 
 
 def engine_rows(workload: Workload, fault: str | None = None) -> dict[str, dict]:
@@ -66,6 +71,9 @@ def test_every_engine_holds_on_a_workload_with_dropout_and_weight_decay(rows):
     for engine, row in rows.items():
         assert row["problems"] == [], (engine, row)
     assert rows["ddp"]["parity"].startswith("vs one process on the ranks' shares: ")
+    # torch's own report of what DDP's reducer runs, beside what the workload declared
+    assert ("DDP reports find_unused_parameters=1, gradient_as_bucket_view=1, "
+            "bucket_cap_bytes=1048576") in rows["ddp"]["parity"], rows["ddp"]
     # 2 ranks: FSDP2's AVG and DDP's divide-then-sum are the same fp32 arithmetic (halving is
     # exact), so the FSDP2 settings match DDP to the bit
     for engine in ("fsdp2_zero2", "fsdp2_zero3"):
@@ -98,6 +106,8 @@ def test_the_optimizer_in_backward_under_fsdp2_holds_fewer_shard_gradients(rows)
                  {"fsdp2_zero2", "fsdp2_zero3", "fsdp2_in_backward"}, "were called {",
                  marks=pytest.mark.slow),
     ("reduce_scatter_wrong_slice", {"fsdp2_zero2", "fsdp2_zero3"}, "vs DDP"),
+    # a setting torch ignores: the numbers do not move, DDP's report and the gradients' storage do
+    ("ddp_drops_settings", {"ddp"}, "declared gradient_as_bucket_view=True, but after backward 1"),
 ])
 def test_each_engine_fault_fails_the_rows_it_guards(fault, engines, words):
     got = engine_rows(WORKLOAD, fault)
@@ -119,6 +129,44 @@ def test_fsdp2_rows_name_shard_hooks_called_other_than_once():
     seen[1]["shard_grads"] = ["a"]  # only the optimizer in backward must free them
     assert fsdp2.hook_problems(seen, {"a": 1, "b": 1}, False) == []
     assert "left after their step" in fsdp2.hook_problems(seen, {"a": 1, "b": 1}, True)[0]
+
+
+def test_ddp_rows_name_each_declared_setting_ddp_does_not_run():
+    ran = {"settings": {"find_unused_parameters": 1, "gradient_as_bucket_view": 1,
+                        "bucket_cap_bytes": 1048576},
+           "after_backward": [{"synced": False, "grads_in_buckets": False},
+                              {"synced": True, "grads_in_buckets": True}]}
+    assert ddp.setting_problems(DDP_SETTINGS, ran) == []
+    assert ddp.setting_problems(None, ran) == []  # hookbench's choice: nothing declared
+    assert ddp.setting_problems({**DDP_SETTINGS, "bucket_cap_mb": 2}, ran) == [
+        "declared bucket_cap_mb=2, DDP runs bucket_cap_bytes=1048576"]
+    ran["after_backward"][1]["grads_in_buckets"] = False  # reported, yet not run
+    assert ddp.setting_problems(DDP_SETTINGS, ran) == [
+        "declared gradient_as_bucket_view=True, but after backward 1 the gradients are not "
+        "views of DDP's buckets"]
+    assert "DDP runs static_graph=None" in ddp.setting_problems({"static_graph": True}, ran)[0]
+
+
+def test_static_graph_with_accumulation_under_no_sync_is_torchs_failure_in_its_words():
+    # pytorch#143580 (open): DDP(static_graph=True) with a micro-batch under no_sync() fails
+    # its reducer's assert at the first synced backward; where torch fixed it, the row holds
+    # with every bucket reduced once (the thread saw the all-reduce stop silently instead)
+    row = engine_rows(WORKLOAD.replace(ddp={"static_graph": True}))["ddp"]
+    if row["problems"]:
+        assert all("expect_autograd_hooks_" in p for p in row["problems"]), row
+        assert len(row["problems"]) == 2  # on both ranks, in torch's words
+    else:
+        assert "DDP reports static_graph=1" in row["parity"], row
+
+
+def test_a_ddp_setting_the_workload_cannot_declare_is_refused_in_words():
+    with pytest.raises(ValueError, match=r"ddp sets \['process_group'\]: where DDP runs"):
+        WORKLOAD.replace(ddp={"process_group": None})
+    with pytest.raises(ValueError, match=r"ddp has \['bucket_cap'\], which torch .* does not "
+                                         r"take; it takes \[.*'bucket_cap_mb'"):
+        WORKLOAD.replace(ddp={"bucket_cap": 25})
+    with pytest.raises(TypeError, match="ddp must be None or a dict"):
+        WORKLOAD.replace(ddp=[("static_graph", True)])
 
 
 def test_ddp_rows_name_a_bucket_not_reduced_once():
@@ -264,10 +312,11 @@ def _judged_on_four_ranks(ddp_shift: float, fsdp2_shift: float) -> dict[str, dic
 
     from hookbench.engines.loop import ACCUMULATION
 
-    cls, kwargs = WORKLOAD.optimizer
-    single, _, _ = references.single_process(WORKLOAD, cls, kwargs, workload_checks.STEPS, 4,
+    workload = WORKLOAD.replace(ddp=None)  # made-up runs: no DDP report to hold them to
+    cls, kwargs = workload.optimizer
+    single, _, _ = references.single_process(workload, cls, kwargs, workload_checks.STEPS, 4,
                                              accumulation=ACCUMULATION)
-    names = [n for n, p in WORKLOAD.build().named_parameters() if p.requires_grad]
+    names = [n for n, p in workload.build().named_parameters() if p.requires_grad]
 
     def shifted(by: float) -> list[dict]:
         return [{k: v + by if k == "head.weight" else v.clone() for k, v in step.items()}
@@ -279,8 +328,8 @@ def _judged_on_four_ranks(ddp_shift: float, fsdp2_shift: float) -> dict[str, dic
     got = {"ddp": [{"snapshots": shifted(ddp_shift), "after_backward": [synced]}],
            "fsdp2_zero2": [{"snapshots": shifted(fsdp2_shift), "after_backward": [synced],
                             "units": 2, "unit_bytes": [1, 1, 1]}]}
-    return verdicts.judge(WORKLOAD, got, kwargs, workload_checks.STEPS, 4,
-                          workload_checks._zero2_tolerance(WORKLOAD))
+    return verdicts.judge(workload, got, kwargs, workload_checks.STEPS, 4,
+                          workload_checks._zero2_tolerance(workload))
 
 
 def test_on_four_ranks_ddp_far_from_one_process_holds_only_where_fsdp2_drifts_too():

@@ -492,6 +492,7 @@ CAUGHT_BY = {
     "fsdp2_forgets_shard_hooks": {"engines"},
     "reduce_scatter_wrong_slice": {"engines"},
     "ddp_bucket_reduced_twice": {"engines"},
+    "ddp_drops_settings": {"engines"},
     "implementation_flag_ignored": {"parity", "numerics"},
     "fused_sgd_skips_low_precision": {"parity"},
     "checkpoint_forgets_rng_state": {"offload"},
