@@ -12,7 +12,10 @@ from hookbench.gate.checks import Run, Section
 from hookbench.measure.memory import format_bytes, measure as measure_step
 from hookbench.models.zoo import workload as zoo_workload
 
-FAULTS = None
+# The faults selfcheck runs it under: a gradient kept or freed late, a tracker that cannot run
+# or misses allocations
+FAULTS = ("fires_before_accumulation", "keeps_gradients_alive", "fires_late",
+          "private_module_missing", "private_api_changed", "tracker_misses_allocations")
 STRATEGIES = ("foreach", "forloop", "in_backward", "in_backward_grouped_foreach", "zero2")
 ZERO2_WORLD, ZERO2_BUCKET = 8, 2**22  # rank 0 of 8 simulated ranks, 16 MB buckets
 # The fake backend counts bytes exactly, so any growth is real; 1% lets a new workspace of a
