@@ -30,6 +30,7 @@ import argparse
 import importlib
 import sys
 
+from hookbench.cli import interrupts
 from hookbench.core import names
 
 WORKLOAD_HELP = ("a workload by import path, package.module:attribute (a hookbench.Workload, a "
@@ -213,6 +214,17 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(args, option, None)  # None: not this command's, or not given
         if value is not None and value < 1:
             parser.error(f"--{option.replace('_', '-')} must be >= 1")
+    # Ctrl-C or SIGTERM, from here on: one line, 130 or 143, nothing written
+    # (hookbench.cli.interrupts); importing torch alone takes seconds.
+    try:
+        with interrupts.handled():
+            return _run(args)
+    except interrupts.Interrupted as e:
+        say(e.said(args.command))
+        return e.code
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         command = importlib.import_module(f"hookbench.cli.{args.run}")
     except ImportError as e:  # a torch without a module or name hookbench imports at load time
@@ -227,4 +239,3 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, ValueError, TypeError, FileNotFoundError, ImportError) as e:
         say(f"hookbench {args.command}: error: {e}")
         return 2
-

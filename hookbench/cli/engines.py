@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import torch
-
 from hookbench import report
 from hookbench.cli import common
 from hookbench.core import launch
@@ -50,24 +48,29 @@ def run(args: argparse.Namespace) -> int:
     stopped, runs = workload_checks.engine_runs(workloads, args.fault, world, ENGINES)
     cases = [case for each in runs for case in each]
 
+    # what the ranks run: torchrun's nccl or gloo, the spawned ranks' gloo (even beside CUDA)
+    backend = launch.torchrun_backend() if launch.torchrun_world() else "gloo"
+
     def verdict(got: list, errors: list[str]) -> int:
-        return _print(workloads, stopped, runs, args.fault, world, got, errors)
+        return _print(workloads, stopped, runs, args.fault, world, backend, got, errors)
 
     if launch.torchrun_world():
         return launch.on_torchrun(references.ranks, (cases,),
                                   common.what_runs(workloads, args.fault), args.timeout, verdict)
     common.progress(f"spawning {world} gloo ranks (run under torchrun to use its ranks) ...")
-    return verdict(launch.run(references.ranks, world, cases, timeout=args.timeout), [])
+    return verdict(launch.run(references.ranks, world, cases, timeout=args.timeout,
+                              backend=backend), [])
 
 
 def _print(workloads: list[Workload], stopped: dict[str, Any], runs: list[list[dict]],
-           fault: str | None, world: int, got: list[Any], errors: list[str]) -> int:
+           fault: str | None, world: int, backend: str, got: list[Any],
+           errors: list[str]) -> int:
     if errors:
         print("hookbench engines: FAILED: " + "; ".join(errors))
         return 1
     rows = workload_checks.engine_rows(workloads, stopped, runs, got, world, ENGINES)
     section = report.workload_section(
-        f"The engines on {world} {'nccl' if torch.cuda.is_available() else 'gloo'} ranks, "
+        f"The engines on {world} {backend} ranks, "
         f"{workload_checks.STEPS} steps of {ACCUMULATION} micro-batches (the first without "
         f"gradient sync)" + (f", under fault {fault}" if fault else ""), rows)
     print(report.render([section], "hookbench engines"))

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from hookbench import gate
-from hookbench.cli import common
+from hookbench.cli import common, interrupts
 from hookbench.gate import baselines, known_failures
 from hookbench.models.zoo import ZOO
 
@@ -25,14 +25,17 @@ def run(args: argparse.Namespace) -> int:
                  f"models {', '.join(models)}; a few minutes") + ") ...")
     with tempfile.TemporaryDirectory() as staging:  # files land only with a good baseline
         data = gate.record(models, sections, staging, workloads)
-        if "checkpoints" in sections:
-            folder = baselines.checkpoint_folder(target)
-            folder.mkdir(parents=True, exist_ok=True)
-            for old in folder.glob("*.pt"):
-                old.unlink()
-            for new in Path(staging).glob("*.pt"):
-                (folder / new.name).write_bytes(new.read_bytes())
-    path = baselines.save(data, target)
+        # The checkpoint files and the baseline land together or not at all: an interrupt
+        # waits for both (interrupts.deferred), and the baseline is renamed into place.
+        with interrupts.deferred():
+            if "checkpoints" in sections:
+                folder = baselines.checkpoint_folder(target)
+                folder.mkdir(parents=True, exist_ok=True)
+                for old in folder.glob("*.pt"):
+                    old.unlink()
+                for new in Path(staging).glob("*.pt"):
+                    (folder / new.name).write_bytes(new.read_bytes())
+            path = baselines.save(data, target)
     known = known_failures.listed(data.get(known_failures.KEY, {}))
     print(f"wrote {path}: torch {data['recorded_with']['torch']} on "
           f"{data['recorded_with']['cpu_capability']}; " + ", ".join(

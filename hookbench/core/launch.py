@@ -5,7 +5,9 @@ and a failing rank that fails the run instead of hanging it.
 process group on a free localhost port in each, calls ``fn(rank, world_size, *args)``, and
 returns the per-rank results. If a rank raises, the others are terminated and ``RankFailed``
 names it with its traceback; if the whole run outlives ``timeout`` seconds, every process is
-killed and ``TimeoutError`` is raised. ``fn`` and its arguments must be picklable (module-level).
+killed and ``TimeoutError`` is raised. A rank dies with the process that started it, also one
+killed with SIGKILL, and leaves Ctrl-C and SIGTERM to it (``_tie_to``). ``fn`` and its
+arguments must be picklable (module-level).
 
 ``beside(fn, world_size, *args)`` makes the calling process rank 0 and spawns the other ranks
 to run ``fn``: what the ranks do together can then be timed from the driving process (the
@@ -21,12 +23,17 @@ with which every rank returns.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import gc
+import inspect
 import os
 import pickle
+import signal
 import socket
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -35,7 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["RankFailed", "beside", "free_port", "on_torchrun", "run", "torchrun_world"]
+__all__ = ["RankFailed", "beside", "free_port", "on_torchrun", "run", "torchrun_backend",
+           "torchrun_world"]
 
 
 class RankFailed(RuntimeError):
@@ -75,8 +83,34 @@ def _done() -> None:
     dist.barrier()
 
 
+_LEFT_TO_PARENT = {signal.SIGINT, signal.SIGTERM}
+
+
+def _tie_to(parent: int) -> None:
+    """This rank's life tied to the process that started it, which stops it (``_join``): a
+    Ctrl-C or SIGTERM sent to the whole process group is left to that process, and the rank
+    dies with it, also when it is killed with SIGKILL and runs no ``finally`` (Linux: the
+    kernel's parent-death signal; elsewhere a thread that watches the parent)."""
+    for s in _LEFT_TO_PARENT:
+        signal.signal(s, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # blocked since the spawn (_spawn): now discarded
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, _LEFT_TO_PARENT)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    else:
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent:  # it died before the signal was asked for
+        os._exit(1)
+
+
 def _worker(index: int, first: int, world: int, port: int, timeout: float, out: str,
-            backend: str, fn: Callable[..., Any], args: tuple) -> None:
+            backend: str, fn: Callable[..., Any], args: tuple, parent: int) -> None:
+    _tie_to(parent)
     rank = first + index  # run: ranks 0..N-1; beside: 1..N-1, the caller being 0
     torch.set_num_threads(1)  # N ranks share this machine's cores
     _init(backend, port, rank, world, timeout)
@@ -118,11 +152,19 @@ def _spawn(first: int, world_size: int, timeout: float, out: str, backend: str,
     # The ranks' C++ warnings (DDP's find_unused_parameters advice, printed from the autograd
     # thread on every run) are left out unless the caller asks for them: errors still print.
     level = os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # The ranks start with Ctrl-C and SIGTERM blocked (a signal mask survives exec) until
+    # _tie_to ignores them: one sent to the process group while a rank still imports would
+    # print its KeyboardInterrupt traceback. Here they wait, blocked, until the ranks exist.
+    masking = hasattr(signal, "pthread_sigmask")
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _LEFT_TO_PARENT) if masking else None
     try:
         return mp.start_processes(
-            _worker, args=(first, world_size, port, timeout, out, backend, fn, args),
+            _worker, args=(first, world_size, port, timeout, out, backend, fn, args,
+                           os.getpid()),
             nprocs=world_size - first, join=False, start_method="spawn")
     finally:
+        if masking:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if level == "ERROR" and os.environ.get("TORCH_CPP_LOG_LEVEL") == "ERROR":
             del os.environ["TORCH_CPP_LOG_LEVEL"]
 
@@ -184,6 +226,11 @@ def beside(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
             _join(context, 1, world_size, timeout, out)
 
 
+def torchrun_backend() -> str:
+    """The backend ``on_torchrun`` runs: nccl where CUDA is, else gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
 def torchrun_world() -> int | None:
     """The world size where torchrun started this process as one of its ranks, else None."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -204,12 +251,20 @@ def _same_everywhere(mine: dict[str, Any], world: int) -> None:
 
 def on_torchrun(fn: Callable[..., Any], args: tuple, what: dict[str, Any], timeout: float,
                 verdict: Callable[[list, list[str]], int]) -> int:
-    """``fn(rank, world, *args)`` on this torchrun rank (nccl where CUDA is, else gloo, each
-    collective failing after ``timeout`` seconds); rank 0 calls ``verdict(results, errors)``
-    (``errors``: "rank r: Type: message" of each rank whose ``fn`` raised, whose result is then
-    None) and every rank returns the code it returned."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    """``fn(rank, world, *args)`` on this torchrun rank (``torchrun_backend``, each local rank
+    on GPU ``LOCAL_RANK`` with nccl, each collective failing after ``timeout`` seconds); rank 0
+    calls ``verdict(results, errors)`` (``errors``: "rank r: Type: message" of each rank whose
+    ``fn`` raised, whose result is then None) and every rank returns the code it returned."""
+    backend = torchrun_backend()
+    options: dict[str, Any] = {}
+    if backend == "nccl":
+        # Each local rank on its own GPU before the group exists: without it every rank of a
+        # node runs on cuda:0, and NCCL's first collective answers "Duplicate GPU detected".
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        if "device_id" in inspect.signature(dist.init_process_group).parameters:
+            options["device_id"] = device  # torch >= 2.3: the group binds to it at once
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **options)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         _same_everywhere(what, world)

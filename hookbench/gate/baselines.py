@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -135,5 +137,18 @@ def load(path: str | Path = DEFAULT) -> dict[str, Any]:
 def save(data: dict[str, Any], path: str | Path = DEFAULT) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    write_atomically(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
     return path
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """``text`` into ``path`` whole or not at all: staged beside it and renamed over it, so
+    that a run stopped part-way (an interrupt, a full disk) leaves the file as it was."""
+    handle, staged = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(staged, path)
+    except BaseException:
+        os.unlink(staged)
+        raise

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import platform
-import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from hookbench.gate.baselines import write_atomically
 from hookbench.gate.checks import Section, Verdict
 
 __all__ = ["rows", "write_json", "write_junit"]
@@ -66,17 +65,6 @@ def rows(sections: dict[str, Section], base: dict[str, Any] | None = None,
     return out
 
 
-def _write(path: Path, text: str) -> None:
-    handle, staged = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(staged, path)
-    except BaseException:
-        os.unlink(staged)
-        raise
-
-
 def write_json(path: Path, command: str, sections: dict[str, Section],
                base: dict[str, Any] | None = None, now: dict[str, Any] | None = None,
                **about: Any) -> Path:
@@ -84,7 +72,7 @@ def write_json(path: Path, command: str, sections: dict[str, Section],
     data = {"command": command, "torch": torch.__version__, **about,
             "ok": all(s.ok for s in sections.values()),
             "rows": rows(sections, base, now)}
-    _write(path, json.dumps(data, indent=1, default=str) + "\n")
+    write_atomically(path, json.dumps(data, indent=1, default=str) + "\n")
     return path
 
 
@@ -119,6 +107,6 @@ def write_junit(path: Path, command: str, sections: dict[str, Section], seconds:
     suites.attrib.update({k: str(n) for k, n in totals.items() if k != "skipped"},
                          time=f"{seconds:.3f}")
     ET.indent(suites)
-    _write(path, '<?xml version="1.0" encoding="utf-8"?>\n'
+    write_atomically(path, '<?xml version="1.0" encoding="utf-8"?>\n'
            + ET.tostring(suites, encoding="unicode") + "\n")
     return path

@@ -12,7 +12,9 @@ Backends:
            512-byte rounding. Deterministic to the byte: this is how CPU CI gates memory.
     eager  the same tracker on real CPU tensors; it must agree with ``fake`` exactly.
     cuda   real tensors on the GPU. The gated number is ``torch.cuda.max_memory_allocated``
-           after ``reset_peak_memory_stats``; also ``max_memory_reserved``, the process's
+           after ``reset_peak_memory_stats``, less what was live then and is not the step's
+           (``ambient_bytes``: cuBLAS's workspaces, 32 MiB per handle and stream on sm90, and
+           what the process held before); also ``max_memory_reserved``, the process's
            device memory from NVML, a memory snapshot for https://pytorch.org/memory_viz and
            the tracker's attribution. Refuses to run without CUDA: it never reports 0.
 
@@ -148,6 +150,8 @@ class StorageTracker(TorchDispatchMode):
             storage = tensor.untyped_storage()
         except (NotImplementedError, RuntimeError):  # sparse, nested: no plain storage
             return
+        if storage in self._host:  # host memory stays host memory: an in-place op into an
+            return  # offloaded copy (``host.copy_(value)``) returns the host tensor again
         record = self._records.get(storage)
         if record is not None:
             if category is not None and record.category != category:
@@ -484,16 +488,24 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         tracker.on_new_peak = refresh_gradients
         hooks = [p.register_hook(count_gradients) for p in trainable]
         stack.callback(lambda: [h.remove() for h in hooks])
+        ambient = 0
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            # Live on the device but not the step's, so outside its gated peak (like with like
+            # with the fake backend, which has neither): cuBLAS's workspaces, one per handle
+            # and stream (32 MiB each on sm90, inside the caching allocator; the warm-up's
+            # first matmuls allocated them, forward's thread and backward's), and whatever
+            # this process held before the step was built. The CUDA context is outside
+            # max_memory_allocated anyway; blocks are rounded to 512 B as the tracker rounds.
+            ambient = max(0, torch.cuda.memory_allocated() - tracker.current)
             if snapshot_path is not None:
                 torch.cuda.memory._record_memory_history(max_entries=200_000)
         tracker.reset_peak()
         one_step(warmup)
         classify()
     activations_peak = max(v[CATEGORIES.index("activations")] for _, v in tracker.timeline)
-    device_info = _cuda_readings(snapshot_path) if cuda else {}
+    device_info = {**_cuda_readings(snapshot_path), "ambient_bytes": ambient} if cuda else {}
     rounded = [tracker.rounded(p.nbytes) for p in trainable]
     floor = {
         "parameters": tracker.totals["parameters"],
@@ -501,7 +513,7 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         "activations_peak": activations_peak,
         "gradients_needed": _gradients_needed(model, strategy, tracker, started.optimized),
     }
-    peak = device_info["max_memory_allocated"] if cuda else tracker.peak
+    peak = device_info["max_memory_allocated"] - ambient if cuda else tracker.peak
     return MemoryResult(
         model=spec.name,
         strategy=strategy,
@@ -611,10 +623,11 @@ def _nvml_readings() -> dict[str, Any]:
         return {"nvml": "pynvml (nvidia-ml-py) not installed"}
     try:
         pynvml.nvmlInit()
-        index = torch.cuda.current_device()
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible:
-            index = int(visible.split(",")[index])
+        try:
+            # CUDA_VISIBLE_DEVICES mapped as torch maps it: ordinals, GPU- or MIG- UUIDs
+            index = torch.cuda._get_nvml_device_index(torch.cuda.current_device())
+        except (RuntimeError, ValueError) as e:
+            return {"nvml": f"no NVML device for this CUDA device: {e}"}
         handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         mine = [p.usedGpuMemory for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
                 if p.pid == os.getpid()]

@@ -227,7 +227,7 @@ class ActivationOffload(saved_tensors_hooks):
             with _host_copy():
                 host = torch.empty(value.shape, dtype=value.dtype, pin_memory=self.pin_memory)
             stream.wait_stream(current)  # the tensor (and its compression) is computed
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), _host_copy():  # copy_ returns the host tensor
                 host.copy_(value, non_blocking=self.pin_memory)
                 copied = torch.cuda.Event()
                 copied.record(stream)

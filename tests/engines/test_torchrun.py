@@ -15,8 +15,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from hookbench.cli import main
+from hookbench.core import launch
 from hookbench.core.launch import free_port
 
 pytestmark = pytest.mark.distributed
@@ -128,6 +130,39 @@ def test_spawned_ranks_print_the_rows(capsys, project, monkeypatch):
     assert main(["engines", "--workload", "blocks_workload:WORKLOAD", "--nproc", "4"]) == 0
     out = capsys.readouterr().out
     assert "The engines on 4 gloo ranks" in out and not re.search(r"^! ", out, re.M), out
+
+
+def test_spawned_ranks_beside_cuda_run_and_say_gloo(capsys, monkeypatch):
+    # On a GPU host the spawned ranks still run gloo on the CPU (torchrun's run nccl): the
+    # header said "nccl" there; it now names the backend the ranks are given. CUDA is made to
+    # look present in this process, the ranks are not started: which backend they are given.
+    given = []
+
+    def run(fn, world, cases, timeout, backend):
+        given.append(backend)
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(launch, "run", run)
+    assert main(["engines", "--nproc", "2"]) == 2 and given == ["gloo"]
+
+
+def test_torchrun_ranks_with_nccl_each_take_their_local_gpu(monkeypatch):
+    # torch.cuda and the process group faked: which device each local rank binds before the
+    # group exists (all on cuda:0, NCCL answers "Duplicate GPU detected")
+    bound = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+
+    def init(backend, timeout=None, device_id=None):  # init_process_group's, torch >= 2.3
+        bound.append((backend, device_id))
+        raise KeyError("stop here")
+
+    monkeypatch.setattr(launch.dist, "init_process_group", init)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    with pytest.raises(KeyError, match="stop here"):
+        launch.on_torchrun(lambda rank, world: None, (), {}, 10.0, lambda got, errors: 0)
+    assert bound == [torch.device("cuda", 3), ("nccl", torch.device("cuda", 3))]
 
 
 def test_a_batch_the_ranks_cannot_share_is_one_line_and_exit_2(capsys):

@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -377,3 +378,66 @@ def test_the_zero2_rows_take_one_unit_from_the_largest(monkeypatch):
         section = report.zero2_section(zoo_workload("transformer"), "fake", None, None)
     assert [cells[0] for cells, ok in section.rows if not ok][-1:] == [
         "transformer rank 0 of 2, offload"]
+
+
+def test_a_copy_into_an_offloaded_host_tensor_stays_host_memory():
+    # The CUDA offload path creates its pinned host buffer as a host copy, then copy_()s the
+    # activation into it on a side stream: copy_ returns the host tensor, which the tracker
+    # must not count a second time as device memory (it read host 4096 and activations 4096).
+    from hookbench.measure.memory import StorageTracker
+    from hookbench.mechanisms import activation_offload
+
+    value = torch.randn(1024)  # 4096 B, made before the measurement
+    with StorageTracker() as tracker:
+        with activation_offload._host_copy():
+            host = torch.empty(1024)
+        host.copy_(value)
+    assert tracker.host == 4096
+    assert tracker.current == 0, tracker.totals
+
+
+class _FakeNVML:
+    """pynvml as this test needs it: which device index a handle was asked for."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def nvmlInit(self) -> None:
+        pass
+
+    def nvmlShutdown(self) -> None:
+        pass
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        self.asked.append(index)
+        return index
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list:
+        return [type("Process", (), {"pid": os.getpid(), "usedGpuMemory": 123})()]
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int):
+        return type("Memory", (), {"used": 456})()
+
+
+@pytest.mark.parametrize("visible, uuids, index", [
+    ("1,0", None, 1),
+    ("GPU-bbb", ["GPU-aaa-1", "GPU-bbb-2"], 1),  # what torch and the driver accept besides
+    ("MIG-ccc", ["GPU-aaa-1", "MIG-ccc-3"], 1),  # ordinals: a GPU's UUID, a MIG instance's
+])
+def test_nvml_finds_the_device_behind_any_cuda_visible_devices(monkeypatch, visible, uuids,
+                                                              index):
+    from hookbench.measure import memory
+
+    nvml = _FakeNVML()
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "_raw_device_uuid_nvml", lambda: uuids)
+    assert memory._nvml_readings() == {"nvml_process_bytes": 123, "nvml_device_used_bytes": 456}
+    assert nvml.asked == [index]
+    # an id NVML does not list: said in the reading, never raised (NVML is information only)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-zzz")
+    assert "no NVML device for this CUDA device" in memory._nvml_readings()["nvml"]

@@ -347,37 +347,61 @@ def test_vit_l_at_batch_32_offload_reaches_the_floor_and_with_checkpointing_less
     assert both.host_peak <= 0.1 * offloaded.host_peak
 
 
-@pytest.mark.gpu
-def test_gpu_offload_on_a_side_stream_is_bit_exact_and_saves_device_memory():
-    """The CUDA path: pinned host copies on a side stream (a model big enough that copies and
-    compute overlap), gradients bit for bit those without offload, the allocator's peak below
-    the step without offload."""
+def _gpu_mlp() -> tuple[nn.Module, torch.Tensor]:
+    """4 blocks of Linear(1024, 4096), GELU, Linear(4096, 1024) on CUDA (134 MB of fp32
+    parameters), a batch of 256, and one step without hooks already run: cuBLAS allocates its
+    workspace (32 MiB per handle and stream on sm90, inside the caching allocator, so inside
+    ``memory_allocated``) at its first matmul, which must not land in the first measured run."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 4096), nn.GELU(),
                                           nn.Linear(4096, 1024)) for _ in range(4)]).cuda()
     x = torch.randn(256, 1024, device="cuda")
-    peaks, grads = [], []
-    for offload in (None, ActivationOffload(model)):
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        with offload if offload is not None else saved_tensors_hooks(lambda t: t, lambda t: t):
-            loss = model(x).square().mean()
-        if offload is not None:  # the host copies live until backward has used them
-            host = offload.host_tensors()
-            assert offload.packed > 0 and host and all(t.is_pinned() for t in host)
-            del host
-        loss.backward()
-        torch.cuda.synchronize()
-        peaks.append(torch.cuda.max_memory_allocated())
-        grads.append([p.grad.clone() for p in model.parameters()])
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
-    assert peaks[1] < peaks[0]
+    model(x).square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    return model, x
+
+
+def _on_device_after_forward(model: nn.Module, x: torch.Tensor, context) -> tuple[int, list]:
+    """The device bytes a forward under ``context`` leaves allocated until backward (what its
+    saved tensors cost the device), and the gradients, copied to the host: a copy kept on the
+    device would be 134 MB live in the next run's measurement."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with context:
+        loss = model(x).square().mean()
+    torch.cuda.synchronize()  # the side stream's copies done, their device sources released
+    held = torch.cuda.memory_allocated() - before
+    loss.backward()
+    return held, [p.grad.cpu() for p in model.parameters()]
+
+
+# Without hooks a forward of _gpu_mlp keeps, per block, the inputs of the two Linears and of the
+# GELU: 256 x (1024 + 4096 + 4096) fp32 = 9.4 MB, 37.7 MB for the four (each rounded up to the
+# allocator's 512 B, and 2 MiB segments do not enter memory_allocated). Offloaded, the device
+# keeps none of them, only the output and the loss (1 MB): a quarter of that is far from both.
+OFFLOAD_KEEPS_AT_MOST = 0.25
+
+
+@pytest.mark.gpu
+def test_gpu_offload_on_a_side_stream_is_bit_exact_and_saves_device_memory():
+    """The CUDA path: pinned host copies on a side stream (a model big enough that copies and
+    compute overlap), gradients bit for bit those without offload, and the device bytes the
+    forward leaves for backward a fraction of those without offload."""
+    model, x = _gpu_mlp()
+    plain, plain_grads = _on_device_after_forward(
+        model, x, saved_tensors_hooks(lambda t: t, lambda t: t))
+    offload = ActivationOffload(model)
+    held, grads = _on_device_after_forward(model, x, offload)
+    assert offload.packed > 0
+    assert all(torch.equal(a, b) for a, b in zip(plain_grads, grads))
+    assert 37e6 < plain and held < OFFLOAD_KEEPS_AT_MOST * plain, (plain, held)
     vit = measure(VIT_L_32.replace(offload="lossless"), "in_backward", backend="cuda")
-    plain = measure(VIT_L_32, "in_backward", backend="cuda")
-    # fake backend: 4.007 vs 13.745 GB; the GPU adds cuBLAS workspaces and scratch (5%)
+    plain_vit = measure(VIT_L_32, "in_backward", backend="cuda")
+    # fake backend: 4.007 vs 13.745 GB; the GPU adds a cuBLAS workspace per handle and stream
+    # (32 MiB on sm90) and the kernels' scratch: 5% is 200 MB of room
     assert vit.peak <= 1.05 * measure(VIT_L_32.replace(offload="lossless"), "in_backward").peak
-    assert vit.peak < 0.5 * plain.peak
+    assert vit.peak < 0.5 * plain_vit.peak
 
 
 def _peer(name: str):
@@ -394,28 +418,21 @@ def _peer(name: str):
 @pytest.mark.gpu
 @pytest.mark.parametrize("peer", ["save_on_cpu", "torchtune"])
 def test_gpu_peers_give_the_same_gradients_and_the_memory_side_by_side(peer):
-    """The same 4-block MLP as above under no hooks, hookbench's offload and the peer: the
-    gradients bit for bit (every one copies losslessly and computes the same kernels), each
-    offload's allocator peak below the step without it, the three in the failure message."""
-    torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 4096), nn.GELU(),
-                                          nn.Linear(4096, 1024)) for _ in range(4)]).cuda()
-    x = torch.randn(256, 1024, device="cuda")
-    peaks, grads = {}, {}
+    """The same 4-block MLP under no hooks, hookbench's offload and the peer: the gradients bit
+    for bit (every one copies losslessly and computes the same kernels), and the device bytes
+    each offload's forward leaves for backward below the step without it. Not the backward's
+    peak: ``save_on_cpu`` copies every saved tensor, the Linears' weights too
+    (torch/autograd/graph.py), and brings each back to the device in backward, a second copy of
+    a 16 MB weight beside the model's own."""
+    model, x = _gpu_mlp()
+    held, grads = {}, {}
     for name, context in (("none", saved_tensors_hooks(lambda t: t, lambda t: t)),
                           ("hookbench", ActivationOffload(model)), (peer, _peer(peer))):
-        model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        with context:
-            loss = model(x).square().mean()
-        loss.backward()
-        torch.cuda.synchronize()
-        peaks[name] = torch.cuda.max_memory_allocated()
-        grads[name] = [p.grad.clone() for p in model.parameters()]
-    seen = ", ".join(f"{name} {n / 1e6:.1f} MB" for name, n in peaks.items())
+        held[name], grads[name] = _on_device_after_forward(model, x, context)
+    seen = ", ".join(f"{name} {n / 1e6:.1f} MB" for name, n in held.items())
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(*grads.values())), seen
-    assert peaks["hookbench"] < peaks["none"] and peaks[peer] < peaks["none"], seen
+    assert held["hookbench"] < OFFLOAD_KEEPS_AT_MOST * held["none"], seen
+    assert held[peer] < held["none"], seen
 
 
 @pytest.mark.gpu
