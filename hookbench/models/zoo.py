@@ -72,9 +72,13 @@ class TinySpec:
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.kind == "mlp":
-            # In the target's dtype: a bf16 model's output (mixed-precision ZeRO-2) against an
-            # fp32 target, which torch < 2.5's mse_loss backward refuses; a no-op otherwise.
-            return F.mse_loss(output.to(target.dtype), target)
+            # In float32 at least (float64 stays): a bf16 model's output against an fp32 target
+            # (mixed-precision ZeRO-2), or a pure-bf16 model's against a bf16 one, which
+            # torch < 2.5's mse_loss refuses ("mse_cpu" not implemented for 'BFloat16'); a
+            # no-op for fp32 and fp64.
+            dtype = torch.promote_types(torch.promote_types(output.dtype, target.dtype),
+                                        torch.float32)
+            return F.mse_loss(output.to(dtype), target.to(dtype))
         return F.cross_entropy(output, target)
 
 
