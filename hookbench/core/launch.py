@@ -93,7 +93,7 @@ def _tie_to(parent: int) -> None:
     kernel's parent-death signal; elsewhere a thread that watches the parent)."""
     for s in _LEFT_TO_PARENT:
         signal.signal(s, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):  # blocked since the spawn (_spawn): now discarded
+    if hasattr(signal, "pthread_sigmask"):  # blocked at the spawn (_spawn): now discarded
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _LEFT_TO_PARENT)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
@@ -152,17 +152,24 @@ def _spawn(first: int, world_size: int, timeout: float, out: str, backend: str,
     # The ranks' C++ warnings (DDP's find_unused_parameters advice, printed from the autograd
     # thread on every run) are left out unless the caller asks for them: errors still print.
     level = os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    # The ranks start with Ctrl-C and SIGTERM blocked (a signal mask survives exec) until
-    # _tie_to ignores them: one sent to the process group while a rank still imports would
-    # print its KeyboardInterrupt traceback. Here they wait, blocked, until the ranks exist.
+    # The ranks start with Ctrl-C and SIGTERM ignored: one sent to the process group while a
+    # rank still imports would otherwise print its KeyboardInterrupt traceback (or "Fatal
+    # Python error: init_import_site"). An ignored disposition survives exec; a blocked mask
+    # alone does not do, since multiprocessing unblocks both signals when it starts its
+    # resource tracker. Here they are blocked meanwhile (Linux keeps a blocked signal pending
+    # even while it is ignored) and delivered to this process's own handlers after.
     masking = hasattr(signal, "pthread_sigmask")
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, _LEFT_TO_PARENT) if masking else None
+    handlers = ({s: signal.signal(s, signal.SIG_IGN) for s in _LEFT_TO_PARENT}
+                if threading.current_thread() is threading.main_thread() else {})
     try:
         return mp.start_processes(
             _worker, args=(first, world_size, port, timeout, out, backend, fn, args,
                            os.getpid()),
             nprocs=world_size - first, join=False, start_method="spawn")
     finally:
+        for s, handler in handlers.items():
+            signal.signal(s, handler)
         if masking:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if level == "ERROR" and os.environ.get("TORCH_CPP_LOG_LEVEL") == "ERROR":
