@@ -12,6 +12,12 @@ user's suite.
 
 import importlib
 
+from hookbench.core import orphans
+
+# A rank that hookbench spawned is tied to its parent here, at its first import of hookbench,
+# before the seconds it spends importing torch (hookbench.core.orphans).
+orphans.tie_if_spawned()
+
 # Each public name and its module, imported on first use, so that the pytest plugin's entry
 # point does not import torch into every pytest run of an environment where hookbench is
 # installed.

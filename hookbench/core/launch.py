@@ -6,7 +6,7 @@ process group on a free localhost port in each, calls ``fn(rank, world_size, *ar
 returns the per-rank results. If a rank raises, the others are terminated and ``RankFailed``
 names it with its traceback; if the whole run outlives ``timeout`` seconds, every process is
 killed and ``TimeoutError`` is raised. A rank dies with the process that started it, also one
-killed with SIGKILL, and leaves Ctrl-C and SIGTERM to it (``_tie_to``). ``fn`` and its
+killed with SIGKILL, and leaves Ctrl-C and SIGTERM to it (``hookbench.core.orphans``). ``fn`` and its
 arguments must be picklable (module-level).
 
 ``beside(fn, world_size, *args)`` makes the calling process rank 0 and spawns the other ranks
@@ -23,17 +23,16 @@ with which every rank returns.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import gc
 import inspect
+import multiprocessing.resource_tracker
 import os
 import pickle
 import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -41,6 +40,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from hookbench.core import orphans
 
 __all__ = ["RankFailed", "beside", "free_port", "on_torchrun", "run", "torchrun_backend",
            "torchrun_world"]
@@ -83,34 +84,9 @@ def _done() -> None:
     dist.barrier()
 
 
-_LEFT_TO_PARENT = {signal.SIGINT, signal.SIGTERM}
-
-
-def _tie_to(parent: int) -> None:
-    """This rank's life tied to the process that started it, which stops it (``_join``): a
-    Ctrl-C or SIGTERM sent to the whole process group is left to that process, and the rank
-    dies with it, also when it is killed with SIGKILL and runs no ``finally`` (Linux: the
-    kernel's parent-death signal; elsewhere a thread that watches the parent)."""
-    for s in _LEFT_TO_PARENT:
-        signal.signal(s, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):  # blocked at the spawn (_spawn): now discarded
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, _LEFT_TO_PARENT)
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    else:
-        def watch() -> None:
-            while os.getppid() == parent:
-                time.sleep(0.5)
-            os._exit(1)
-
-        threading.Thread(target=watch, daemon=True).start()
-    if os.getppid() != parent:  # it died before the signal was asked for
-        os._exit(1)
-
-
 def _worker(index: int, first: int, world: int, port: int, timeout: float, out: str,
-            backend: str, fn: Callable[..., Any], args: tuple, parent: int) -> None:
-    _tie_to(parent)
+            backend: str, fn: Callable[..., Any], args: tuple) -> None:
+    # tied to its parent already, at its first import of hookbench (orphans.tie_if_spawned)
     rank = first + index  # run: ranks 0..N-1; beside: 1..N-1, the caller being 0
     torch.set_num_threads(1)  # N ranks share this machine's cores
     _init(backend, port, rank, world, timeout)
@@ -152,24 +128,27 @@ def _spawn(first: int, world_size: int, timeout: float, out: str, backend: str,
     # The ranks' C++ warnings (DDP's find_unused_parameters advice, printed from the autograd
     # thread on every run) are left out unless the caller asks for them: errors still print.
     level = os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    # The ranks start with Ctrl-C and SIGTERM ignored: one sent to the process group while a
-    # rank still imports would otherwise print its KeyboardInterrupt traceback (or "Fatal
-    # Python error: init_import_site"). An ignored disposition survives exec; a blocked mask
-    # alone does not do, since multiprocessing unblocks both signals when it starts its
-    # resource tracker. Here they are blocked meanwhile (Linux keeps a blocked signal pending
-    # even while it is ignored) and delivered to this process's own handlers after.
+    # The ranks start with Ctrl-C and SIGTERM blocked (a mask survives exec) and keep them so
+    # until they are tied to this process, which then ignores both (orphans.tie_to): one sent
+    # to the process group while a rank still imports would otherwise print its
+    # KeyboardInterrupt traceback (or "Fatal Python error: init_import_site"). multiprocessing
+    # unblocks both when it starts its resource tracker, so that is started first. This
+    # process's own handlers stay as they are: a signal to the process goes to any thread that
+    # does not block it (torch's pool threads), and one ignored here would be lost for good.
+    # And each rank is told its parent, to tie itself to it before it imports torch.
+    multiprocessing.resource_tracker.ensure_running()
+    outer, os.environ[orphans.ENV] = os.environ.get(orphans.ENV), str(os.getpid())
     masking = hasattr(signal, "pthread_sigmask")
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _LEFT_TO_PARENT) if masking else None
-    handlers = ({s: signal.signal(s, signal.SIG_IGN) for s in _LEFT_TO_PARENT}
-                if threading.current_thread() is threading.main_thread() else {})
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, orphans.LEFT_TO_PARENT) if masking else None
     try:
         return mp.start_processes(
-            _worker, args=(first, world_size, port, timeout, out, backend, fn, args,
-                           os.getpid()),
+            _worker, args=(first, world_size, port, timeout, out, backend, fn, args),
             nprocs=world_size - first, join=False, start_method="spawn")
     finally:
-        for s, handler in handlers.items():
-            signal.signal(s, handler)
+        if outer is None:
+            del os.environ[orphans.ENV]
+        else:
+            os.environ[orphans.ENV] = outer
         if masking:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if level == "ERROR" and os.environ.get("TORCH_CPP_LOG_LEVEL") == "ERROR":
@@ -290,4 +269,7 @@ def on_torchrun(fn: Callable[..., Any], args: tuple, what: dict[str, Any], timeo
             dist.broadcast_object_list(code, src=0)  # every rank exits with rank 0's verdict
         return code[0]
     finally:
+        # FSDP2's last gloo work, freed by the collector now and not at interpreter exit,
+        # where it aborted a rank ("terminate called without an active exception"; _done).
+        gc.collect()
         dist.destroy_process_group()
