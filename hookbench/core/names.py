@@ -13,7 +13,7 @@ FAULTS = ("fires_twice", "stops_after_first_backward", "never_fires",
           "pack_called_twice", "unpack_returns_stale", "offload_keeps_device_copy",
           "compression_on_exact_tensor", "fsdp2_forgets_shard_hooks",
           "reduce_scatter_wrong_slice", "ddp_bucket_reduced_twice", "ddp_drops_settings",
-          "implementation_flag_ignored", "fused_sgd_skips_low_precision",
+          "fsdp2_drops_settings", "implementation_flag_ignored", "fused_sgd_skips_low_precision",
           "checkpoint_forgets_rng_state")
 REPORT_SECTIONS = ("contract", "optimizer", "capture", "memory", "zero2")
 GATE_SECTIONS = ("hooks", "parity", "numerics", "zero2", "engines", "collectives", "checkpoints",

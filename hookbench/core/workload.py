@@ -64,6 +64,16 @@ Options (one field each):
                    (``forward_sync_buffers`` from torch 2.14), ... Not ``module``,
                    ``device_ids``, ``output_device``, ``process_group`` or ``device_mesh``:
                    where DDP runs is hookbench's
+    fsdp2          None (hookbench's choice: each repeated block a unit, then the root; the
+                   rows' own ``reshard_after_forward``, ZeRO-2 False and ZeRO-3 True; under
+                   bf16 ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``),
+                   or what the team passes to ``fully_shard``, run exactly as given on every
+                   FSDP2 row: ``units`` (a module class, a tuple of them, or a
+                   ``re.compile()``d pattern over module names: every match is sharded as a
+                   unit, then the root, as torchtitan's ``for layer in model.layers``),
+                   ``mp_policy`` (a ``MixedPrecisionPolicy``), ``reshard_after_forward`` (a
+                   bool, or an int: the size to reshard to) and ``offload_policy`` (e.g.
+                   ``CPUOffloadPolicy()``)
     seed           the model's initialisation, the data, and the random numbers the forward
                    draws (dropout, masks): every forward of batch ``i`` (a ZeRO-2 rank's: of
                    its share ``r``) runs on the global RNGs (torch's, numpy's and Python's
@@ -129,6 +139,7 @@ class Workload:
     clip_grad_norm: float | None = None
     offload: str | None = None
     ddp: dict[str, Any] | None = None
+    fsdp2: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
@@ -173,6 +184,7 @@ class Workload:
             raise TypeError(f"Workload {self.name!r}: compile must be None or a torch.compile "
                             f"backend name, got {self.compile!r}")
         _ddp_options(self.ddp, self.name)
+        _fsdp2_options(self.fsdp2, self.name)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"Workload {self.name!r}: seed must be an int >= 0")
         if self.pure is not None and self.compile is not None:
@@ -430,6 +442,49 @@ def _ddp_options(options: Any, name: str) -> None:
         raise ValueError(f"Workload {name!r}: ddp has {unknown}, which torch "
                          f"{torch.__version__}'s DistributedDataParallel does not take; it "
                          f"takes {sorted(accepted)}")
+
+
+# What fully_shard takes from a team (Workload.fsdp2), and of which type; the mesh is hookbench's.
+_FSDP2_TYPES = {"mp_policy": "MixedPrecisionPolicy", "offload_policy": "OffloadPolicy"}
+
+
+def _fsdp2_options(options: Any, name: str) -> None:
+    """Validate ``fsdp2``: None or a dict of ``units``, ``mp_policy``, ``reshard_after_forward``
+    and ``offload_policy``, each of the type ``fully_shard`` takes."""
+    if options is None:
+        return
+    if not (isinstance(options, dict) and all(isinstance(k, str) for k in options)):
+        raise TypeError(f"Workload {name!r}: fsdp2 must be None or a dict of fully_shard's "
+                        f"settings, got {options!r}")
+    known = {"units", "reshard_after_forward", *_FSDP2_TYPES}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"Workload {name!r}: fsdp2 has {unknown}; it takes {sorted(known)} "
+                         f"(the mesh is hookbench's: gloo ranks on CPU, a GPU each on CUDA)")
+    if "units" in options:
+        units = options["units"]
+        classes = units if isinstance(units, tuple) else (units,)
+        if not (isinstance(units, re.Pattern) or classes and all(
+                isinstance(c, type) and issubclass(c, nn.Module) for c in classes)):
+            raise TypeError(f"Workload {name!r}: fsdp2's units must be a module class, a tuple "
+                            f"of them or a re.compile()d pattern over module names, got "
+                            f"{units!r}")
+    reshard = options.get("reshard_after_forward", True)
+    if not isinstance(reshard, int):  # a bool is an int
+        raise TypeError(f"Workload {name!r}: fsdp2's reshard_after_forward must be a bool or "
+                        f"an int, got {reshard!r}")
+    if not isinstance(reshard, bool) and reshard < 1:
+        raise ValueError(f"Workload {name!r}: fsdp2's reshard_after_forward as an int is the "
+                         f"number of ranks to reshard to, at least 1, got {reshard}")
+    for key, type_name in _FSDP2_TYPES.items():
+        if key not in options:
+            continue
+        module = next((m for m in (importlib.import_module(n) for n in (
+            "torch.distributed.fsdp", "torch.distributed._composable.fsdp"))
+            if hasattr(m, type_name)), None)
+        if module is None or not isinstance(options[key], getattr(module, type_name)):
+            raise TypeError(f"Workload {name!r}: fsdp2's {key} must be a torch.distributed.fsdp."
+                            f"{type_name}, got {options[key]!r}")
 
 
 def describe(selector: Any) -> str:

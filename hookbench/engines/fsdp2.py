@@ -13,7 +13,10 @@ the fp32 shards are the masters, what torchtitan's default does. Each repeated b
 of an ``nn.ModuleList``, a transformer layer, a ResNet stage's block) is a unit of its own,
 then the root, as torchtitan shards a model; a block whose parameters are shared with a module
 outside it (tied embeddings), or one of whose modules is called outside its forward (DiT's
-conditioning embedding, called by the root), stays in its parent's unit.
+conditioning embedding, called by the root), stays in its parent's unit. A workload that
+declares its own settings (``Workload.fsdp2``: units, policy, resharding, offload) runs them on
+every row instead, and each row shows they took effect (``setting_problems``): what the units'
+parameters are in their forward and after it, and what FSDP2's state holds.
 
     trajectory   on every rank: the full parameters after every step and, per backward, the
                  calls of a counting post-accumulate-grad hook on every shard, what the hook
@@ -28,21 +31,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import re
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from hookbench.core.prerequisites import one_line
-from hookbench.core.workload import of
+from hookbench.core.workload import describe, of
 from hookbench.engines.loop import Refused, train, wrapping
 from hookbench.measure.memory import built
 from hookbench.measure.zero2_runs import local_batch, rank_device
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 
-__all__ = ["SETTINGS", "api", "cannot_train_on_cpu", "hook_problems", "peer_trajectory",
-           "called_outside", "remove_hooks", "shard", "repeated_units", "trajectory", "unit_runs",
-           "units"]
+__all__ = ["SETTINGS", "api", "called_outside", "cannot_train_on_cpu", "chosen_units",
+           "described", "hook_problems", "mixed_dtypes", "peer_trajectory", "remove_hooks",
+           "repeated_units", "setting_problems", "shard", "trajectory", "unit_runs", "units"]
 
 SETTINGS = {"zero2": {"reshard_after_forward": False, "in_backward": False},
             "zero3": {"reshard_after_forward": True, "in_backward": False},
@@ -127,6 +131,30 @@ def units(model: torch.nn.Module, keep_whole: frozenset[str] = frozenset()
     return found
 
 
+def chosen_units(model: torch.nn.Module, declared: dict[str, Any] | None,
+                 keep_whole: frozenset[str] = frozenset()) -> list[torch.nn.Module]:
+    """The units besides the root: the modules a workload's ``fsdp2["units"]`` selects (a
+    class, a tuple of them, or a pattern over full module names; nested matches too, as FSDP2
+    nests units), else hookbench's (``units``)."""
+    selector = (declared or {}).get("units")
+    if selector is None:
+        return units(model, keep_whole)
+    if isinstance(selector, re.Pattern):
+        return [m for n, m in model.named_modules() if n and selector.fullmatch(n)]
+    return [m for n, m in model.named_modules() if n and isinstance(m, selector)]
+
+
+def mixed_dtypes(workload: Any) -> tuple[torch.dtype, torch.dtype] | None:
+    """(param_dtype, reduce_dtype) where the FSDP2 rows compute in another dtype than the
+    fp32 shards (the masters), else None: the declared policy's, else hookbench's under bf16."""
+    declared = (workload.fsdp2 or {}).get("mp_policy")
+    if declared is not None:
+        if declared.param_dtype is None:
+            return None
+        return declared.param_dtype, declared.reduce_dtype or declared.param_dtype
+    return (torch.bfloat16, torch.float32) if workload.precision == "bf16" else None
+
+
 @functools.lru_cache(maxsize=16)  # asked by each FSDP2 row of a workload; one forward each
 def _probe(workload: Any, fake: bool = False) -> tuple[frozenset[str], dict[str, int]]:
     """One eager training forward of batch 0 in this process (on fake tensors: ``fake``, for
@@ -142,6 +170,10 @@ def _probe(workload: Any, fake: bool = False) -> tuple[frozenset[str], dict[str,
     with contextlib.ExitStack() as stack:
         model = built(workload, fake, stack)
         blocks = list(_blocks(model).items())
+        # and the units a workload declares, which need not be blocks: their runs count too
+        named = {id(m): n for n, m in model.named_modules()}
+        blocks += [(named[id(m)], m) for m in chosen_units(model, workload.fsdp2)
+                   if all(m is not b for _, b in blocks)]
         running, runs = [0] * len(blocks), [0] * len(blocks)
         containing: dict[int, list[int]] = {}
         for i, (_, block) in enumerate(blocks):
@@ -171,7 +203,8 @@ def _probe(workload: Any, fake: bool = False) -> tuple[frozenset[str], dict[str,
                 h.remove()
     keep_whole = frozenset(outside)
     count = {id(block): runs[i] for i, (_, block) in enumerate(blocks)}
-    owner = {id(p): count[id(b)] for b in units(model, keep_whole) for p in b.parameters()}
+    owner = {id(p): count.get(id(b), 1) for b in chosen_units(model, workload.fsdp2, keep_whole)
+             for p in b.parameters()}
     return keep_whole, {n: owner.get(id(p), 1) for n, p in model.named_parameters()
                         if p.requires_grad}
 
@@ -204,18 +237,23 @@ def repeated_units(workload: Any) -> str | None:
 
 
 def shard(model: torch.nn.Module, mesh: Any, reshard_after_forward: bool,
-          param_dtype: torch.dtype | None, keep_whole: frozenset[str] = frozenset()
-          ) -> list[torch.nn.Module]:
-    """``fully_shard`` every unit (``units``) and the root; the units besides the root."""
+          param_dtype: torch.dtype | None, keep_whole: frozenset[str] = frozenset(),
+          declared: dict[str, Any] | None = None) -> list[torch.nn.Module]:
+    """``fully_shard`` every unit (``chosen_units``) and the root, with the workload's declared
+    settings (``declared``: ``Workload.fsdp2``) where it has them, else hookbench's; the units
+    besides the root."""
     fsdp = api()
-    policy = fsdp.MixedPrecisionPolicy(param_dtype=param_dtype,
-                                       reduce_dtype=torch.float32 if param_dtype else None)
-    blocks = units(model, keep_whole)
+    declared = declared or {}
+    options: dict[str, Any] = {
+        "reshard_after_forward": declared.get("reshard_after_forward", reshard_after_forward),
+        "mp_policy": declared.get("mp_policy") or fsdp.MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)}
+    if "offload_policy" in declared:
+        options["offload_policy"] = declared["offload_policy"]
+    blocks = chosen_units(model, declared, keep_whole)
     for block in blocks:
-        fsdp.fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                         mp_policy=policy)
-    fsdp.fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                     mp_policy=policy)
+        fsdp.fully_shard(block, mesh=mesh, **options)
+    fsdp.fully_shard(model, mesh=mesh, **options)
     return blocks
 
 
@@ -277,9 +315,10 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     try:
         blocks = wrapping("fully_shard", lambda: shard(model, mesh,
                                                        settings["reshard_after_forward"],
-                                                       param_dtype, keep_whole))
+                                                       param_dtype, keep_whole, spec.fsdp2))
     except Refused as e:  # on every rank alike: the same model, the same words
         return {"torch_refuses": str(e), "error": None}
+    watched, watch_handles = _watch(model, blocks)
     names = {p: n for n, p in model.named_parameters()}
     calls: dict[str, int] = {}
     not_reduced: list[str] = []
@@ -338,12 +377,108 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
         unit_bytes = [sum(_local_bytes(p) for p in b.parameters() if p.requires_grad)
                       for b in blocks] + [sum(_local_bytes(p) for p in model.parameters()
                                               if p.requires_grad and id(p) not in in_blocks)]
-        return {**result, "units": len(blocks), "unit_bytes": unit_bytes}
+        module_names = {id(m): n for n, m in model.named_modules()}
+        return {**result, "units": len(blocks), "unit_bytes": unit_bytes,
+                "unit_names": sorted(module_names[id(b)] for b in blocks),
+                "settings": {**_reported(model), **{k: sorted(v) for k, v in watched.items()}}}
     finally:
-        for h in handles:
+        for h in handles + watch_handles:
             h.remove()
         if settings["in_backward"] and "optimizer" in locals():
             optimizer.remove()
+
+
+def _watch(model: torch.nn.Module, blocks: list[torch.nn.Module]
+           ) -> tuple[dict[str, set[str]], list[Any]]:
+    """What FSDP2 makes of each unit's parameters (those no nested unit holds): their dtype
+    inside the unit's forward (the policy's ``param_dtype``) and whether they are sharded
+    DTensors again after it (``reshard_after_forward``). Registered after ``fully_shard``'s
+    own hooks, so that it runs after FSDP2 gathered them and after it resharded them."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch 2.4: still private
+        from torch.distributed._tensor import DTensor
+
+    seen: dict[str, set[str]] = {"param_dtype_in_forward": set(),
+                                 "resharded_after_forward": set()}
+    owner: dict[int, torch.nn.Module] = {}
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    for block in sorted(blocks, key=lambda b: order[id(b)]):  # outer first: a nested unit wins
+        owner.update((id(m), block) for m in block.modules())
+    handles = []
+    for block in blocks:
+        own = [(m, n) for m in block.modules() if owner[id(m)] is block
+               for n, _ in m.named_parameters(recurse=False)]
+        if not own:
+            continue
+
+        def inside(module, args, own=own):
+            seen["param_dtype_in_forward"].update(str(getattr(m, n).dtype) for m, n in own)
+
+        def after(module, args, output, own=own):
+            seen["resharded_after_forward"].update(
+                str(isinstance(getattr(m, n), DTensor)) for m, n in own)
+
+        handles += [block.register_forward_pre_hook(inside), block.register_forward_hook(after)]
+    return seen, handles
+
+
+def _reported(model: torch.nn.Module) -> dict[str, Any]:
+    """What FSDP2's own state holds for the model: the modules it shards besides the root,
+    each unit's policy and whether it offloads (read from its private state; a field that
+    moved reads None)."""
+    fsdp = api()
+    policies, offload = set(), set()
+    for module in model.modules():
+        state = module._get_fsdp_state() if isinstance(module, fsdp.FSDPModule) else None
+        group = getattr(state, "_fsdp_param_group", None)
+        if group is not None:
+            policies.add(repr(getattr(group, "mp_policy", None)))
+            offload.update(str(getattr(fp, "offload_to_cpu", None)) for fp in group.fsdp_params)
+    return {"units": sorted(n for n, m in model.named_modules()
+                            if n and isinstance(m, fsdp.FSDPModule)),
+            "mp_policy": sorted(policies), "offload_to_cpu": sorted(offload)}
+
+
+def described(settings: dict[str, Any]) -> str:
+    """Settings in words: ``key=value, ...``; the units as the workload selects them."""
+    def said(key: str, value: Any) -> str:
+        return describe(value) if key == "units" and not isinstance(value, list) else repr(value)
+
+    return ", ".join(f"{key}={said(key, value)}" for key, value in settings.items()) or "nothing"
+
+
+def setting_problems(declared: dict[str, Any] | None, rank0: dict[str, Any]) -> list[str]:
+    """Each declared setting FSDP2 does not run (rank 0's ``trajectory``): the units it shards
+    are not those declared; the units' parameters inside their forward are not in the
+    policy's ``param_dtype``, or its state holds another policy; after forward they are (not)
+    sharded again against ``reshard_after_forward`` (a bool; an int reshards to a smaller
+    group, which only the state shows); an offload policy whose shards are not offloaded."""
+    if not declared:
+        return []
+    ran, problems = rank0["settings"], []
+    if "units" in declared and ran["units"] != rank0["unit_names"]:
+        problems.append(f"declared units {rank0['unit_names'][:3]}..., FSDP2 shards "
+                        f"{ran['units'][:3]}...")
+    policy = declared.get("mp_policy")
+    if policy is not None:
+        if policy.param_dtype is not None and ran["param_dtype_in_forward"] not in (
+                [], [str(policy.param_dtype)]):
+            problems.append(f"declared param_dtype={policy.param_dtype}, the units' parameters "
+                            f"were {ran['param_dtype_in_forward']} in their forward")
+        if ran["mp_policy"] != [repr(policy)]:
+            problems.append(f"declared {policy!r}, FSDP2 holds {ran['mp_policy']}")
+    reshard = declared.get("reshard_after_forward")
+    if isinstance(reshard, bool) and ran["resharded_after_forward"] not in ([], [str(reshard)]):
+        problems.append(f"declared reshard_after_forward={reshard}, the units' parameters "
+                        f"after forward were sharded: {ran['resharded_after_forward']}")
+    offload = declared.get("offload_policy")
+    if offload is not None:
+        expected = str(type(offload).__name__ == "CPUOffloadPolicy")
+        if ran["offload_to_cpu"] != [expected]:
+            problems.append(f"declared {offload!r}, FSDP2's shards offload_to_cpu="
+                            f"{ran['offload_to_cpu']}")
+    return problems
 
 
 @contextlib.contextmanager

@@ -189,26 +189,37 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
         elif "refused" in ranks[0] or "torch_refuses" in ranks[0]:  # designed: recorded
             out[engine] = {k: ranks[0][k] for k in ("refused", "torch_refuses") if k in ranks[0]}
         else:
-            problems = (ddp.bucket_problems(ranks[0]["after_backward"], trainable)
-                        + ddp.setting_problems(workload.ddp, ranks[0])
-                        if engine == "ddp" else fsdp2.hook_problems(
-                            ranks[0]["after_backward"], fsdp2.unit_runs(workload),
-                            engine == "fsdp2_in_backward") if engine.startswith("fsdp2")
-                        else [])  # DeepSpeed's own hooks are its business: its parity is judged
+            if engine == "ddp":
+                problems = (ddp.bucket_problems(ranks[0]["after_backward"], trainable)
+                            + ddp.setting_problems(workload.ddp, ranks[0]))
+            elif engine.startswith("fsdp2"):
+                problems = (fsdp2.hook_problems(ranks[0]["after_backward"],
+                                                fsdp2.unit_runs(workload),
+                                                engine == "fsdp2_in_backward")
+                            + fsdp2.setting_problems(workload.fsdp2, ranks[0]))
+            else:  # DeepSpeed's own hooks are its business: its parity is judged
+                problems = []
             out[engine] = {"problems": problems + _ranks_agree(ranks),
                            "snapshots": ranks[0]["snapshots"]}
         if ranks[0].get("warnings"):  # said in the row, not on the terminal
             out[engine]["warnings"] = ranks[0]["warnings"]
     snaps = {e: row["snapshots"] for e, row in out.items() if "snapshots" in row}
     mixed = workload.precision == "bf16"
-    if mixed and any(e.startswith("fsdp2") for e in snaps):
-        mixed_ref = zero2_runs.mixed_reference(
-            workload, cls, kwargs, steps, world, torch.bfloat16, torch.float32,
-            accumulation=ACCUMULATION, clipping=workload.clip_grad_norm or 0.0)["master_steps"]
+    # the dtypes FSDP2 computes and reduces in, where not the shards': hookbench's policy under
+    # bf16, or the one the workload declares (Workload.fsdp2)
+    fsdp2_dtypes = fsdp2.mixed_dtypes(workload)
+
+    @functools.cache
+    def mixed_ref(dtypes: tuple[torch.dtype, torch.dtype]) -> list[dict[str, torch.Tensor]]:
+        return zero2_runs.mixed_reference(
+            workload, cls, kwargs, steps, world, *dtypes, accumulation=ACCUMULATION,
+            clipping=workload.clip_grad_norm or 0.0)["master_steps"]
     for engine, row in out.items():
         if "snapshots" not in row:
             continue
         words = []
+        dtypes = (fsdp2_dtypes if engine.startswith("fsdp2")
+                  else (torch.bfloat16, torch.float32) if mixed else None)
         if engine == "ddp":
             result = compare(snaps["ddp"], single, tol, rounding)
             words.append(f"vs one process on the ranks' shares: {result.verdict()}")
@@ -245,14 +256,15 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
                     row["problems"].append(words[-1])
             else:
                 row["problems"].append("no FSDP2 ZeRO-3 run to compare with")
-        elif mixed:
+        elif dtypes:
             # within the bf16 tolerance and the rounding-level bounds DDP's row has, not bit for
             # bit: the same arithmetic on Llama, not on a checkpointed LayerNorm model
             # (charlm-bf16-ckpt: 1.9e-4 on norm.bias, an Adam step on a gradient at rounding
             # level), so bit-exactness is reported, not required
-            result = compare(row["snapshots"], mixed_ref, tol, rounding)
-            words.append(f"fp32 shards vs one process with bf16 parameters and fp32 masters: "
-                         f"{result.verdict()}")
+            result = compare(row["snapshots"], mixed_ref(dtypes), tol, rounding)
+            reduced = "" if dtypes[1] == torch.float32 else f", {_short(dtypes[1])} reductions"
+            words.append(f"fp32 shards vs one process with {_short(dtypes[0])} parameters"
+                         f"{reduced} and fp32 masters: {result.verdict()}")
             if not result.ok:
                 row["problems"].append(words[-1])
         elif "ddp" in snaps:
@@ -265,9 +277,17 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
             row["problems"].append("no DDP run to compare with")
         if engine.startswith("fsdp2"):
             words.append(f"{got[engine][0]['units']} blocks sharded besides the root")
+            if workload.fsdp2:  # what FSDP2 ran, beside what was declared
+                words.append(f"declared {fsdp2.described(workload.fsdp2)}; FSDP2 runs "
+                             f"{fsdp2.described(got[engine][0]['settings'])}")
             words.append(_gradient_memory(engine, got[engine][0], row))
         row["parity"] = "; ".join(words)
     return out
+
+
+def _short(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
+        dtype, str(dtype))
 
 
 def _gradient_memory(engine: str, rank0: dict[str, Any], row: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from hookbench.core.workload import of
+from hookbench.engines import fsdp2
 from hookbench.gate import workload_checks
 from hookbench.gate.checks import Run, Section
 from hookbench.measure import zero2_runs
@@ -23,13 +24,19 @@ from hookbench.models.zoo import workload as zoo_workload
 
 # The engine faults, and a hook fault the shards' hooks must show (each run starts the ranks).
 FAULTS = ("fires_twice", "fsdp2_forgets_shard_hooks", "reduce_scatter_wrong_slice",
-          "ddp_bucket_reduced_twice", "ddp_drops_settings")
-# Adam at the zoo's ZeRO-2 parity rate (zero2_runs.PARITY_OPTIMIZERS), for-loop; DDP with
-# settings a team declares, each other than torch's default so that DDP ignoring it shows
-# (the arithmetic is DDP's default's: a 227-parameter model fits one bucket either way)
+          "ddp_bucket_reduced_twice", "ddp_drops_settings", "fsdp2_drops_settings")
+# Adam at the zoo's ZeRO-2 parity rate (zero2_runs.PARITY_OPTIMIZERS), for-loop; DDP and FSDP2
+# with settings a team declares, each other than torch's default so that torch ignoring it
+# shows (the arithmetic is the defaults': a 227-parameter model fits one bucket either way;
+# fp32 reductions of fp32 gradients; no resharding changes no number; shards on the host,
+# where CPU ranks keep them anyway). FSDP2's units: each Linear, which the default (repeated
+# blocks) would not pick in an MLP, so that not resharding them after forward shows.
 WORKLOAD = of(zero2_runs.PARITY_SPEC).replace(
     optimizer=(torch.optim.Adam, {"lr": 1e-2}),
-    ddp={"find_unused_parameters": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 1})
+    ddp={"find_unused_parameters": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 1},
+    fsdp2={"units": torch.nn.Linear, "reshard_after_forward": False,
+           "mp_policy": fsdp2.api().MixedPrecisionPolicy(reduce_dtype=torch.float32),
+           "offload_policy": fsdp2.api().CPUOffloadPolicy(pin_memory=False)})
 
 
 # FSDP2's per-rank memory on a model with units to gather and prefetch: the zoo's transformer

@@ -17,7 +17,8 @@ keep each offloaded tensor's device copy alive, or compress in lossless mode; en
 FSDP2 forget the hooks on its shards, the reduce-scatter hand a rank its neighbour's slice, or
 DDP hand each gradient bucket to its communication hook twice, or DDP run its defaults for
 ``static_graph``, ``gradient_as_bucket_view`` and ``bucket_cap_mb`` whatever it is given
-(``ddp_drops_settings``); ``implementation_flag_ignored``
+(``ddp_drops_settings``), or FSDP2 its defaults for ``mp_policy``, ``reshard_after_forward``
+and ``offload_policy`` (``fsdp2_drops_settings``); ``implementation_flag_ignored``
 drops an optimizer's ``foreach``/``fused`` choice, so its step runs the for-loop;
 ``fused_sgd_skips_low_precision`` leaves bf16 and fp16 parameters unchanged by fused SGD
 (pytorch#191763, torch 2.12 and 2.13 on CPU); ``checkpoint_forgets_rng_state`` recomputes
@@ -488,6 +489,27 @@ def _drops_settings(original: Callable) -> Callable:
     return __init__
 
 
+def _fully_shard() -> list[tuple[object, str]]:
+    # where this torch keeps FSDP2 (torch 2.4 and 2.5: under _composable)
+    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        module = importlib.import_module(name)
+        if hasattr(module, "fully_shard") and hasattr(module, "MixedPrecisionPolicy"):
+            return [(module, "fully_shard")]
+    return []
+
+
+def _fsdp2_drops_settings(original: Callable) -> Callable:
+    # FSDP2 shards with its defaults (reshard after forward, no policy, no offload) whatever it
+    # is given: the units' parameters in and after their forward show it, and the state.
+    @functools.wraps(original)
+    def fully_shard(module, *args, **kwargs):
+        for setting in ("mp_policy", "reshard_after_forward", "offload_policy"):
+            kwargs.pop(setting, None)
+        return original(module, *args, **kwargs)
+
+    return fully_shard
+
+
 _ABSENT = object()
 
 Swap = tuple[Callable[[], list[tuple[object, str]]], Callable[[Callable], Callable]]
@@ -521,6 +543,7 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "reduce_scatter_wrong_slice": (_reduce_scatters, _hands_wrong_slice),
     "ddp_bucket_reduced_twice": (_comm_hook_registration, _reduces_each_bucket_twice),
     "ddp_drops_settings": (_ddp_construction, _drops_settings),
+    "fsdp2_drops_settings": (_fully_shard, _fsdp2_drops_settings),
     "implementation_flag_ignored": (lambda: [(torch.optim.Optimizer, "add_param_group")],
                                     _ignores_implementation_flags),
     "fused_sgd_skips_low_precision": (lambda: [(importlib.import_module("torch.optim.sgd"),

@@ -7,6 +7,7 @@ the rows it guards. One start of the ranks runs all four engines (~3 s).
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import pytest
@@ -49,9 +50,16 @@ def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 # shows (ddp_drops_settings); Blocks fits one bucket either way, so the arithmetic is the same
 DDP_SETTINGS = {"find_unused_parameters": True, "gradient_as_bucket_view": True,
                 "bucket_cap_mb": 1}
+# FSDP2 as a team declares it: its units by name (the blocks, hookbench's own choice too, so the
+# arithmetic is unchanged), no resharding after forward on every row, and a policy and an
+# offload that only FSDP2's state can show on CPU ranks (fp32 reductions of fp32 gradients;
+# shards on the host, where they are anyway): fsdp2_drops_settings must show
+FSDP2_SETTINGS = {"units": re.compile(r"blocks\.\d+"), "reshard_after_forward": False,
+                  "mp_policy": fsdp2.api().MixedPrecisionPolicy(reduce_dtype=torch.float32),
+                  "offload_policy": fsdp2.api().CPUOffloadPolicy(pin_memory=False)}
 WORKLOAD = Workload("blocks", model=Blocks, batch=batch, loss=F.cross_entropy,
                     optimizer=(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
-                    ddp=DDP_SETTINGS)
+                    ddp=DDP_SETTINGS, fsdp2=FSDP2_SETTINGS)
 
 
 def engine_rows(workload: Workload, fault: str | None = None) -> dict[str, dict]:
@@ -82,6 +90,30 @@ def test_every_engine_holds_on_a_workload_with_dropout_and_weight_decay(rows):
     assert rows["fsdp2_in_backward"]["parity"].startswith(
         "vs FSDP2 ZeRO-3 with a standard step: bit-exact")
     assert rows["fsdp2_zero3"]["sha256"] == rows["fsdp2_in_backward"]["sha256"]
+    # what FSDP2 ran, observed and from its state, beside what the workload declared
+    for engine in ("fsdp2_zero2", "fsdp2_zero3", "fsdp2_in_backward"):
+        assert ("FSDP2 runs units=['blocks.0', 'blocks.1'], mp_policy=['MixedPrecisionPolicy("
+                "param_dtype=None, reduce_dtype=torch.float32") in rows[engine]["parity"], rows
+        assert ("offload_to_cpu=['True'], param_dtype_in_forward=['torch.float32'], "
+                "resharded_after_forward=['False']" in rows[engine]["parity"]), rows[engine]
+
+
+def test_a_declared_bf16_policy_is_held_to_one_process_in_those_dtypes():
+    # an fp32 workload whose FSDP2 computes in bf16 and reduces in fp32 (torchtitan's policy):
+    # its rows are held to one process with bf16 parameters and fp32 masters, not to DDP's
+    # fp32, and the units' parameters are bf16 inside their forward
+    policy = fsdp2.api().MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                              reduce_dtype=torch.float32)
+    got = engine_rows(WORKLOAD.replace(name="blocks-bf16-policy", fsdp2={"mp_policy": policy}),
+                      None)
+    for engine in ("fsdp2_zero2", "fsdp2_zero3"):
+        assert got[engine]["problems"] == [], got[engine]
+        # within the bf16 tolerance; seen bit for bit (2 ranks: the same fp32 sums of bf16
+        # gradients, rank 0 first)
+        assert re.match(r"fp32 shards vs one process with bf16 parameters and fp32 masters: "
+                        r"(bit-exact|ok: )", got[engine]["parity"]), got[engine]
+        assert "param_dtype_in_forward=['torch.bfloat16']" in got[engine]["parity"]
+    assert got["ddp"]["problems"] == [], got["ddp"]
 
 
 def test_the_optimizer_in_backward_under_fsdp2_holds_fewer_shard_gradients(rows):
@@ -108,12 +140,19 @@ def test_the_optimizer_in_backward_under_fsdp2_holds_fewer_shard_gradients(rows)
     ("reduce_scatter_wrong_slice", {"fsdp2_zero2", "fsdp2_zero3"}, "vs DDP"),
     # a setting torch ignores: the numbers do not move, DDP's report and the gradients' storage do
     ("ddp_drops_settings", {"ddp"}, "declared gradient_as_bucket_view=True, but after backward 1"),
+    # FSDP2 sharding with its defaults: the units' parameters stay sharded after forward
+    # (each declared setting its own problem)
+    ("fsdp2_drops_settings", {"fsdp2_zero2", "fsdp2_zero3", "fsdp2_in_backward"}, (
+        "declared reshard_after_forward=False, the units' parameters after forward were sharded",
+        "declared CPUOffloadPolicy(pin_memory=False), FSDP2's shards offload_to_cpu=['False']",
+        "declared MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32")),
 ])
 def test_each_engine_fault_fails_the_rows_it_guards(fault, engines, words):
     got = engine_rows(WORKLOAD, fault)
     failed = {engine for engine, row in got.items() if row.get("problems")}
     assert engines <= failed, got
-    assert any(words in p for e in engines for p in got[e]["problems"]), got
+    for said in (words,) if isinstance(words, str) else words:
+        assert any(said in p for e in engines for p in got[e]["problems"]), got
 
 
 def test_fsdp2_rows_name_shard_hooks_called_other_than_once():
@@ -167,6 +206,25 @@ def test_a_ddp_setting_the_workload_cannot_declare_is_refused_in_words():
         WORKLOAD.replace(ddp={"bucket_cap": 25})
     with pytest.raises(TypeError, match="ddp must be None or a dict"):
         WORKLOAD.replace(ddp=[("static_graph", True)])
+
+
+@pytest.mark.parametrize("settings, error, words", [
+    ({"device_mesh": None}, ValueError, r"fsdp2 has \['device_mesh'\]; it takes \['mp_policy', "
+                                        r"'offload_policy', 'reshard_after_forward', 'units'\]"),
+    ({"units": "blocks"}, TypeError, "fsdp2's units must be a module class, a tuple of them or "
+                                     "a re.compile"),
+    ({"units": (nn.Linear, int)}, TypeError, "fsdp2's units must be"),
+    ({"mp_policy": {"param_dtype": torch.bfloat16}}, TypeError,
+     "fsdp2.s mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy"),
+    ({"offload_policy": "cpu"}, TypeError,
+     "fsdp2.s offload_policy must be a torch.distributed.fsdp.OffloadPolicy"),
+    ({"reshard_after_forward": 0}, ValueError, "the number of ranks to reshard to, at least 1"),
+    ({"reshard_after_forward": "yes"}, TypeError, "must be a bool or an int"),
+    ([("units", nn.Linear)], TypeError, "fsdp2 must be None or a dict"),
+])
+def test_an_fsdp2_setting_fully_shard_does_not_take_is_refused_in_words(settings, error, words):
+    with pytest.raises(error, match=words):
+        WORKLOAD.replace(fsdp2=settings)
 
 
 def test_ddp_rows_name_a_bucket_not_reduced_once():
@@ -312,7 +370,8 @@ def _judged_on_four_ranks(ddp_shift: float, fsdp2_shift: float) -> dict[str, dic
 
     from hookbench.engines.loop import ACCUMULATION
 
-    workload = WORKLOAD.replace(ddp=None)  # made-up runs: no DDP report to hold them to
+    # made-up runs: no DDP report or FSDP2 state to hold them to
+    workload = WORKLOAD.replace(ddp=None, fsdp2=None)
     cls, kwargs = workload.optimizer
     single, _, _ = references.single_process(workload, cls, kwargs, workload_checks.STEPS, 4,
                                              accumulation=ACCUMULATION)

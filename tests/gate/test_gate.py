@@ -493,6 +493,7 @@ CAUGHT_BY = {
     "reduce_scatter_wrong_slice": {"engines"},
     "ddp_bucket_reduced_twice": {"engines"},
     "ddp_drops_settings": {"engines"},
+    "fsdp2_drops_settings": {"engines"},
     "implementation_flag_ignored": {"parity", "numerics"},
     "fused_sgd_skips_low_precision": {"parity"},
     "checkpoint_forgets_rng_state": {"offload"},
