@@ -43,7 +43,12 @@ Options (one field each):
                    of them, e.g. ``GPT2Block``) or a ``re.compile()``d pattern matched against
                    the full module names (``re.compile(r"blocks\\.\\d+")``): every matching
                    module not inside another one. Each runs under
-                   ``torch.utils.checkpoint(use_reentrant=False)``
+                   ``torch.utils.checkpoint(use_reentrant=...)``
+    use_reentrant  False (torch's recommendation), or True: the checkpointing above runs
+                   reentrant, as older code and some libraries still do. Held to the plain step
+                   like any checkpointing (``name/transform``): a reentrant block whose inputs
+                   need no gradient gives its parameters none, and that row fails saying so;
+                   ZeRO-2 refuses it in words
     compile        None, or a ``torch.compile`` backend name ("eager", "inductor"), compiled in
                    place (``Module.compile``) so that parameter names do not change
     param_groups   None (every parameter, the optimizer's options), or a function of the model
@@ -132,6 +137,7 @@ class Workload:
                                                                       {"lr": 1e-3})
     precision: str = "fp32"
     checkpointing: str = "none"
+    use_reentrant: bool = False
     compile: str | None = None
     seed: int = 0
     param_groups: Callable[[nn.Module], list[dict[str, Any]]] | None = None
@@ -161,6 +167,13 @@ class Workload:
             raise ValueError(f"Workload {self.name!r}: precision must be one of {PRECISIONS}, "
                              f"got {self.precision!r}")
         _selector(self.checkpointing, self.name)
+        if not isinstance(self.use_reentrant, bool):
+            raise TypeError(f"Workload {self.name!r}: use_reentrant must be a bool, got "
+                            f"{self.use_reentrant!r}")
+        if self.use_reentrant and self.checkpointing == "none":
+            raise ValueError(f"Workload {self.name!r}: use_reentrant=True says how checkpointing "
+                             f"runs, and checkpointing is 'none'; choose the blocks to "
+                             f"checkpoint, or leave use_reentrant out")
         if self.param_groups is not None and not callable(self.param_groups):
             raise TypeError(f"Workload {self.name!r}: param_groups must be a function of the "
                             f"model returning param groups, got {self.param_groups!r}")
@@ -218,7 +231,8 @@ class Workload:
                 # An instance attribute: Module.__call__ (and its hooks) run as before, only
                 # the block's own forward is recomputed in backward.
                 block.forward = functools.partial(torch.utils.checkpoint.checkpoint,
-                                                  block.forward, use_reentrant=False)
+                                                  block.forward,
+                                                  use_reentrant=self.use_reentrant)
         if self.pure is not None:
             model.to(self.pure)  # parameters and buffers: the optimizer state follows them
         if self.compile is not None:

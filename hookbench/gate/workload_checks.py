@@ -168,8 +168,14 @@ def refusal(workload: Workload, strategy: str) -> str | None:
     if strategy == "zero2" and cls not in ELEMENTWISE:
         return (f"ZeRO-2 refuses {cls.__name__}: it steps 1-D pieces of parameters, and "
                 f"{cls.__name__} is not known to update them elementwise")
+    reentrant = ("refuses reentrant checkpointing: its nested backward fires the hook of a "
+                 "parameter used inside and outside a checkpoint once in each")
+    if strategy == "zero2" and workload.use_reentrant:
+        return f"ZeRO-2 {reentrant}, after its bucket may have been reduced"
     if not strategy.startswith("in_backward"):
         return None
+    if workload.use_reentrant:
+        return f"the optimizer in backward {reentrant}, stepping it twice"
     if workload.precision == "fp16":
         return ("the optimizer in backward refuses fp16: a GradScaler must see every gradient "
                 "before any parameter is stepped")
@@ -494,7 +500,8 @@ def transform(workload: Workload) -> dict[str, dict[str, Any]]:
     eager = workload.replace(compile=None)
     own = _own_checkpointing(eager)
     used = [words for words, on in (
-        (f"checkpointing={describe(workload.checkpointing)}",
+        (f"checkpointing={describe(workload.checkpointing)}"
+         + (" (use_reentrant=True)" if workload.use_reentrant else ""),
          workload.checkpointing != "none"),
         ("the model's gradient_checkpointing_enable()", own),
         (f"offload={workload.offload!r}", workload.offload is not None)) if on]
@@ -502,7 +509,7 @@ def transform(workload: Workload) -> dict[str, dict[str, Any]]:
         return {}
     lossy = workload.offload not in (None, "lossless")
     transformed = eager.replace(offload="lossless") if lossy else eager
-    plain = eager.replace(checkpointing="none", offload=None)
+    plain = eager.replace(checkpointing="none", use_reentrant=False, offload=None)
 
     def run() -> dict[str, Any]:
         x, y = workload.data(0)

@@ -124,7 +124,14 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                     x, y = local_batch(spec, index, rank, world, device)
                     zero.hook_calls.clear()  # so that a backward whose hooks never fire shows
                     # the random numbers (dropout) the reference draws for this share
-                    loss = spec.compute_loss(model, x, y, (index, rank)) / accumulation
+                    try:
+                        loss = spec.compute_loss(model, x, y, (index, rank)) / accumulation
+                    except (ValueError, RuntimeError) as e:
+                        if index:
+                            raise
+                        # the first forward, where Zero2 refuses what it sees only then (a
+                        # reentrant checkpoint in the graph), nothing reduced or stepped yet
+                        return {**result, "refused": f"{type(e).__name__}: {e}"}
                     if zero.loss_scale is not None:
                         loss = zero.scale(loss)
                     elif scaler is not None:

@@ -11,6 +11,7 @@ that changes gradients changes all of them alike: only this row can see it.
 
 from __future__ import annotations
 
+import re
 
 import pytest
 import torch
@@ -111,6 +112,52 @@ def test_the_models_own_checkpointing_is_held_to_the_step_without_it():
                                           "loss and 6 gradients bit-exact")
     with inject("checkpoint_forgets_rng_state"):
         assert "problems" in row(w)
+
+
+def test_reentrant_checkpointing_is_held_to_the_plain_step_too():
+    # where each checkpointed block's input needs a gradient, reentrant checkpointing restores
+    # the RNG and recomputes the same kernels: bit for bit
+    w = DROPOUT.replace(name="reentrant", use_reentrant=True, checkpointing=re.compile("1"))
+    assert row(w) == {"transform": "checkpointing=re.compile('1') (use_reentrant=True): the "
+                                   "loss and 6 gradients bit-exact with the step without it"}
+    with inject("checkpoint_forgets_rng_state"):
+        assert "problems" in row(w)
+    # the pitfall reentrant checkpointing is known for: a block whose inputs need no gradient
+    # (the first, on the data) gives its parameters none, with only a warning from torch
+    got = row(w.replace(checkpointing=re.compile("0")))
+    assert got["problems"] == ["checkpointing=re.compile('0') (use_reentrant=True): 0.0.weight's "
+                               "gradient (none where the plain step has one) differs from the "
+                               "step without it"], got
+    assert got["warnings"] == ["UserWarning: None of the inputs have requires_grad=True. "
+                               "Gradients will be None"]
+
+
+@pytest.mark.slow
+def test_every_row_of_a_reentrant_workload_holds_refuses_or_fails_in_torchs_words():
+    # what a team running reentrant checkpointing learns from hookbench (torch 2.14.1): the
+    # standard steps hold; the optimizer in backward and ZeRO-2 refuse it in words, as designed
+    # (their hooks would fire twice for a parameter used inside and outside a checkpoint); DDP
+    # with find_unused_parameters=True raises torch's own "mark a variable ready only once"
+    w = DROPOUT.replace(name="reentrant", use_reentrant=True, checkpointing=re.compile("1"))
+    rows = workload_checks.measure_all([w])
+    assert rows["reentrant/foreach"]["parity"] == "vs forloop: bit-exact"
+    for strategy in ("in_backward", "in_backward_bucketed", "zero2", "engines/fsdp2_in_backward"):
+        assert rows[f"reentrant/{strategy}"]["refused"].startswith(
+            "RuntimeError: the model's output depends on torch.utils.checkpoint with "
+            "use_reentrant=True"), (strategy, rows[f"reentrant/{strategy}"])
+    assert "bit-exact with the step without it" in rows["reentrant/transform"]["transform"]
+    assert "Expected to mark a variable ready only once" in (
+        rows["reentrant/engines/ddp"]["problems"][0])
+    section = workload_checks.judge({}, rows, Run())
+    assert {key for (key, *_), ok in section.rows if not ok} >= {"reentrant/engines/ddp"}
+
+
+def test_use_reentrant_is_a_bool_and_says_how_checkpointing_runs():
+    with pytest.raises(TypeError, match="use_reentrant must be a bool, got 'yes'"):
+        DROPOUT.replace(use_reentrant="yes")
+    with pytest.raises(ValueError, match="use_reentrant=True says how checkpointing runs, and "
+                                         "checkpointing is 'none'"):
+        DROPOUT.replace(checkpointing="none", use_reentrant=True)
 
 
 @pytest.mark.parametrize("offload, words", [
