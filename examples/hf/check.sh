@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The example end to end, as CI runs it: two workloads reported, the gate of all seven passes
+# The example end to end, as CI runs it: two workloads reported, the gate of all nine passes
 # on the recorded torch and fails under each injected fault; the project's own pytest file
 # (the plugin only) passes, and fails under a fault; no hookbench command prints a traceback or
 # a torch error log line. Needs the hf extra (transformers, timm). Each command prints its
@@ -50,25 +50,28 @@ fi
 expect 0 "GATE PASSED" hookbench gate --baseline "$baseline"
 for fault in fires_twice keeps_gradients_alive; do
     expect 1 "GATE FAILED in .*workloads" hookbench gate --baseline "$baseline" --fault $fault
-    for w in gpt2 llama-bf16 vit resnet opt-layerdrop mixtral t5-adafactor; do  # a failed row each
+    for w in gpt2 llama-bf16 vit resnet opt-layerdrop mixtral t5-adafactor llama-pure-bf16 \
+            gpt2-accelerate-ddp; do  # a failed row each
         grep -q "^! $w/" check.log || { echo "check.sh: --fault $fault: no $w row failed" >&2; status=1; }
     done
 done
 # the engine faults: each fails the engines' rows of the workloads it is gated on, two of the
 # four FSDP2 and DDP train each, so that every one of the four meets a fault (the default
-# tier breaks each engine on a model with dropout: tests/engines/test_engines.py)
+# tier breaks each engine on a model with dropout: tests/engines/test_engines.py); and DDP
+# running its defaults fails the Accelerate recipe, which declares its own settings
 for case in "reduce_scatter_wrong_slice GPT2 MIXTRAL" "fsdp2_forgets_shard_hooks VIT RESNET" \
-        "ddp_bucket_reduced_twice MIXTRAL VIT"; do
+        "ddp_bucket_reduced_twice MIXTRAL VIT" "ddp_drops_settings GPT2_ACCELERATE_DDP"; do
     set -- $case
     fault=$1
+    shift
     expect 1 "GATE FAILED in .*workloads" hookbench gate --baseline "$baseline" --fault $fault \
-        --sections workloads --workload hfstack.workloads:$2 --workload hfstack.workloads:$3
-    for w in $2 $3; do
+        --sections workloads $(printf -- "--workload hfstack.workloads:%s " "$@")
+    for w in "$@"; do
         w=$(echo "$w" | tr 'A-Z_' 'a-z-')
         grep -q "^! $w/engines/" check.log || { echo "check.sh: --fault $fault: no $w engine row failed" >&2; status=1; }
     done
 done
-expect 0 "18 passed" python -m pytest -q -p no:cacheprovider
+expect 0 "20 passed" python -m pytest -q -p no:cacheprovider
 # One failure shows the plugin's tests fail under the fault (-x: the other 17 took about 60 s)
 expect 1 "1 failed" python -m pytest -q -x -p no:cacheprovider --hookbench-fault fires_twice
 rm -f check.log

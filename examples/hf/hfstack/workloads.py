@@ -1,5 +1,6 @@
-"""Seven models from real libraries, configured the way their own recipes train them, as
-``hookbench.Workload``s. Built from config (no weights are downloaded), small enough for CI.
+"""Seven models from real libraries, configured the way their own recipes train them, and two
+recipes of how teams train them, as ``hookbench.Workload``s. Built from config (no weights are
+downloaded), small enough for CI.
 
     gpt2        transformers' GPT2LMHeadModel as shipped: dropout 0.1 everywhere, tied
                 embeddings, AdamW with weight decay 0.1 on the matrices only (biases and
@@ -28,6 +29,17 @@ Four more, one of each class of model hookbench once could not measure one way o
     t5-adafactor    transformers' T5 with transformers' Adafactor (relative step, no lr), HF's
                     documented T5 recipe: an optimizer outside torch.optim, with no foreach
                     option and a factored (not elementwise) update, which ZeRO-2 refuses in words
+
+Two recipes, as their communities write them:
+
+    llama-pure-bf16      torchtune's full fine-tune (its Llama configs' ``dtype: bf16``): the
+                         model, its gradients and AdamW's state all bf16, no autocast and no
+                         fp32 masters, AdamW with ``fused: True`` as torchtune's configs set it
+    gpt2-accelerate-ddp  GPT-2 under DDP as Accelerate users configure it
+                         (``DistributedDataParallelKwargs``): ``gradient_as_bucket_view=True``
+                         (no second copy of the gradients), ``find_unused_parameters=False``
+                         (every parameter is used), 25 MB buckets; each held to what DDP
+                         reports running
 """
 
 from __future__ import annotations
@@ -210,4 +222,15 @@ T5_ADAFACTOR = Workload("t5-adafactor", model=t5, batch=seq2seq, loss=lm_loss,
                         optimizer=(adafactor(), {"lr": None, "scale_parameter": True,
                                                  "relative_step": True, "warmup_init": True}))
 
-WORKLOADS = [GPT2, LLAMA_BF16, VIT, RESNET, OPT_LAYERDROP, MIXTRAL, T5_ADAFACTOR]
+# torchtune's lr is 2e-5; here 1e-3, so that 3 steps move bf16 parameters (a bf16 rounding is
+# 1/256 of the value: smaller updates leave most of them where they were)
+LLAMA_PURE_BF16 = Workload("llama-pure-bf16", model=llama, batch=tokens, loss=lm_loss,
+                           optimizer=(torch.optim.AdamW, {"lr": 1e-3, "fused": True}),
+                           precision="bf16-true")
+
+GPT2_ACCELERATE_DDP = GPT2.replace(
+    name="gpt2-accelerate-ddp",
+    ddp={"find_unused_parameters": False, "gradient_as_bucket_view": True, "bucket_cap_mb": 25})
+
+WORKLOADS = [GPT2, LLAMA_BF16, VIT, RESNET, OPT_LAYERDROP, MIXTRAL, T5_ADAFACTOR,
+             LLAMA_PURE_BF16, GPT2_ACCELERATE_DDP]
