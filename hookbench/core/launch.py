@@ -6,8 +6,8 @@ process group on a free localhost port in each, calls ``fn(rank, world_size, *ar
 returns the per-rank results. If a rank raises, the others are terminated and ``RankFailed``
 names it with its traceback; if the whole run outlives ``timeout`` seconds, every process is
 killed and ``TimeoutError`` is raised. A rank dies with the process that started it, also one
-killed with SIGKILL, and leaves Ctrl-C and SIGTERM to it (``hookbench.core.orphans``). ``fn`` and its
-arguments must be picklable (module-level).
+killed with SIGKILL, and leaves Ctrl-C and SIGTERM to it (``hookbench.core.orphans``). ``fn``
+and its arguments must be picklable (module-level).
 
 ``beside(fn, world_size, *args)`` makes the calling process rank 0 and spawns the other ranks
 to run ``fn``: what the ranks do together can then be timed from the driving process (the
@@ -31,7 +31,6 @@ import os
 import pickle
 import signal
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path

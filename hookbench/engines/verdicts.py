@@ -241,7 +241,8 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
                 confirmed, by = False, ""
             if confirmed:
                 words[-1] = (f"vs one process on the ranks' shares: {result.ratio:.3g}x the "
-                             f"tolerance, another legal fp32 order, confirmed by FSDP2 ZeRO-2 "
+                             f"tolerance, another legal {_short(workload.parameter_dtype)} "
+                             f"order, confirmed by FSDP2 ZeRO-2 "
                              f"{by}: this workload's noise floor")
             elif not result.ok:
                 row["problems"].append(words[-1])
