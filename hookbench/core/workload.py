@@ -111,6 +111,7 @@ try:  # not a dependency of torch's: where it is absent, no model can draw from 
 except ImportError:  # pragma: no cover
     np = None
 
+from hookbench.core import fsdp
 from hookbench.core.prerequisites import one_line
 from hookbench.mechanisms.activation_offload import ActivationOffload
 
@@ -493,10 +494,7 @@ def _fsdp2_options(options: Any, name: str) -> None:
     for key, type_name in _FSDP2_TYPES.items():
         if key not in options:
             continue
-        module = next((m for m in (importlib.import_module(n) for n in (
-            "torch.distributed.fsdp", "torch.distributed._composable.fsdp"))
-            if hasattr(m, type_name)), None)
-        if module is None or not isinstance(options[key], getattr(module, type_name)):
+        if not isinstance(options[key], getattr(fsdp.api(), type_name)):
             raise TypeError(f"Workload {name!r}: fsdp2's {key} must be a torch.distributed.fsdp."
                             f"{type_name}, got {options[key]!r}")
 

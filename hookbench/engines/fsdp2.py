@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import re
 from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
+from hookbench.core.fsdp import api
 from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import describe, of
 from hookbench.engines.loop import Refused, train, wrapping
@@ -51,15 +51,6 @@ __all__ = ["SETTINGS", "api", "called_outside", "cannot_train_on_cpu", "chosen_u
 SETTINGS = {"zero2": {"reshard_after_forward": False, "in_backward": False},
             "zero3": {"reshard_after_forward": True, "in_backward": False},
             "in_backward": {"reshard_after_forward": True, "in_backward": True}}
-
-
-def api() -> Any:
-    """The module that has ``fully_shard``, ``FSDPModule`` and ``MixedPrecisionPolicy``."""
-    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
-        module = importlib.import_module(name)
-        if hasattr(module, "fully_shard") and hasattr(module, "MixedPrecisionPolicy"):
-            return module
-    raise ImportError("this torch has no FSDP2 (fully_shard)")
 
 
 def cannot_train_on_cpu() -> str | None:

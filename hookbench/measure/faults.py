@@ -38,7 +38,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from hookbench.core import names
+from hookbench.core import fsdp, names
 from hookbench.measure.memory import StorageTracker
 from hookbench.mechanisms import zero2
 from hookbench.mechanisms.activation_offload import ActivationOffload
@@ -490,12 +490,10 @@ def _drops_settings(original: Callable) -> Callable:
 
 
 def _fully_shard() -> list[tuple[object, str]]:
-    # where this torch keeps FSDP2 (torch 2.4 and 2.5: under _composable)
-    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
-        module = importlib.import_module(name)
-        if hasattr(module, "fully_shard") and hasattr(module, "MixedPrecisionPolicy"):
-            return [(module, "fully_shard")]
-    return []
+    try:
+        return [(fsdp.api(), "fully_shard")]
+    except ImportError:  # no FSDP2 on this torch: nothing to break
+        return []
 
 
 def _fsdp2_drops_settings(original: Callable) -> Callable:
