@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     missed = [f for f, failed in caught.items() if f is not None and not failed]
     ok = not caught[None] and not missed
     print(f"{sum(bool(v) for f, v in caught.items() if f)} of {len(caught) - 1} faults caught"
-          + (f" (the {len(FAULTS) - len(caught) + 1} others target none of these sections)"
+          + (f" ({len(FAULTS) - len(caught) + 1} more target none of these sections)"
              if len(caught) - 1 < len(FAULTS) else "")
           + ("; the clean run passes" if not caught[None] else "; the CLEAN RUN FAILS")
           + (f"; MISSED: {', '.join(missed)}" if missed else ""))

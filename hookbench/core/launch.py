@@ -1,8 +1,11 @@
-"""Running a function on N gloo ranks in spawned processes, safely: a free port, a timeout,
-and a failing rank that fails the run instead of hanging it.
+"""Running a function on N gloo ranks in spawned processes, safely: a rendezvous no other
+process can take, a timeout, and a failing rank that fails the run instead of hanging it.
 
 ``run(fn, world_size, *args)`` starts ``world_size`` processes, initializes a gloo (or nccl)
-process group on a free localhost port in each, calls ``fn(rank, world_size, *args)``, and
+process group in each through a store the caller hosts on localhost (on a port the kernel picks
+as it binds, so none can take it first: a port chosen free and bound by rank 0 seconds later
+was, under load, taken in between by another group's gloo connections, EADDRINUSE), calls
+``fn(rank, world_size, *args)``, and
 returns the per-rank results. If a rank raises, the others are terminated and ``RankFailed``
 names it with its traceback; if the whole run outlives ``timeout`` seconds, every process is
 killed and ``TimeoutError`` is raised. A rank dies with the process that started it, also one
@@ -30,7 +33,6 @@ import multiprocessing.resource_tracker
 import os
 import pickle
 import signal
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -42,7 +44,7 @@ import torch.multiprocessing as mp
 
 from hookbench.core import orphans
 
-__all__ = ["RankFailed", "beside", "free_port", "on_torchrun", "run", "torchrun_backend",
+__all__ = ["RankFailed", "beside", "on_torchrun", "run", "torchrun_backend",
            "torchrun_world"]
 
 
@@ -61,16 +63,21 @@ class RankFailed(RuntimeError):
         return f"{lines[0]} {lines[end - 1].strip()}"
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _host(timeout: float) -> dist.TCPStore:
+    """The ranks' rendezvous, hosted by the caller: a store listening on 127.0.0.1, on a port
+    the kernel picks as it binds (``store.port``)."""
+    return dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=timeout),
+                         wait_for_workers=False)
 
 
-def _init(backend: str, port: int, rank: int, world: int, timeout: float) -> None:
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=timeout))
+def _init(backend: str, port: int, rank: int, world: int, timeout: float,
+          store: dist.Store | None = None) -> None:
+    """Join the group through the caller's store (``_host``), or ``store`` where this process
+    hosts it."""
+    limit = datetime.timedelta(seconds=timeout)
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", port, None, False, limit)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit)
 
 
 def _done() -> None:
@@ -180,8 +187,9 @@ def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 12
     (``backend="nccl"``: one GPU per rank)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    host = _host(timeout)  # lives until every rank is joined
     with tempfile.TemporaryDirectory() as out:
-        context = _spawn(0, world_size, timeout, out, backend, fn, args, free_port())
+        context = _spawn(0, world_size, timeout, out, backend, fn, args, host.port)
         _join(context, 0, world_size, timeout, out)
         return [torch.load(Path(out) / f"rank{r}.pt", weights_only=False)
                 for r in range(world_size)]
@@ -197,11 +205,11 @@ def beside(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
         raise ValueError(f"world_size must be >= 2 (rank 0 is this process), got {world_size}")
     if dist.is_initialized():
         raise ValueError("this process is already in a process group")
-    port = free_port()
+    host = _host(timeout)
     with tempfile.TemporaryDirectory() as out:
-        context = _spawn(1, world_size, timeout, out, backend, fn, args, port)
+        context = _spawn(1, world_size, timeout, out, backend, fn, args, host.port)
         try:
-            _init(backend, port, 0, world_size, timeout)
+            _init(backend, host.port, 0, world_size, timeout, host)
             try:
                 yield
                 _done()

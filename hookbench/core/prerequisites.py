@@ -10,7 +10,9 @@ on must never read as a pass.
 from __future__ import annotations
 
 import contextlib
+import traceback
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 __all__ = ["MissingPrerequisite", "attempt", "one_line", "warnings_kept"]
@@ -36,7 +38,15 @@ def one_line(e: BaseException) -> str:
     """``Type: message`` in one line, as a row shows an exception: no traceback (a failed
     rank's is summed up by its ``summary``: which rank, and its exception), the message's
     first line."""
-    return f"{type(e).__name__}: {getattr(e, 'summary', None) or _first_line(str(e))}"
+    said = getattr(e, "summary", None) or _first_line(str(e))
+    if not said and e.__traceback__ is not None:
+        # a bare ``raise AssertionError`` (torch's batched PowerSGD hook on a 2-D matrix):
+        # where it was raised is all there is to say
+        frame = traceback.extract_tb(e.__traceback__)[-1]
+        path = Path(frame.filename).parts
+        where = "/".join(path[path.index("torch"):] if "torch" in path else path[-1:])
+        said = f"(no message) raised in {frame.name}, {where}:{frame.lineno}"
+    return f"{type(e).__name__}: {said}"
 
 
 def _first_line(text: str) -> str:

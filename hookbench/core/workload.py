@@ -66,7 +66,11 @@ Options (one field each):
                    ``DistributedDataParallel``, run exactly as given, torch's defaults for the
                    rest: ``static_graph``, ``find_unused_parameters``,
                    ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``broadcast_buffers``
-                   (``forward_sync_buffers`` from torch 2.14), ... Not ``module``,
+                   (``forward_sync_buffers`` from torch 2.14), ...; and ``comm_hook``, the
+                   team's communication hook as ``register_comm_hook`` takes it (e.g.
+                   ``default_hooks.bf16_compress_hook``), with ``comm_state``, a function of
+                   no arguments making its state on each rank (e.g. a ``functools.partial``
+                   of ``PowerSGDState``; default: None, the default group). Not ``module``,
                    ``device_ids``, ``output_device``, ``process_group`` or ``device_mesh``:
                    where DDP runs is hookbench's
     fsdp2          None (hookbench's choice: each repeated block a unit, then the root; the
@@ -79,6 +83,15 @@ Options (one field each):
                    ``mp_policy`` (a ``MixedPrecisionPolicy``), ``reshard_after_forward`` (a
                    bool, or an int: the size to reshard to) and ``offload_policy`` (e.g.
                    ``CPUOffloadPolicy()``)
+    deepspeed      None (hookbench's choice: ZeRO stage 2, fp32, every setting that matters
+                   stated, ``hookbench.measure.peers.deepspeed_zero2.config``), or the team's
+                   DeepSpeed config (the dict ``deepspeed.initialize(config=...)`` takes),
+                   merged over that choice, key by key inside ``zero_optimization``, for the
+                   DeepSpeed row (the peers extra). Not what the workload itself says: the
+                   batch sizes and accumulation, ``optimizer``, ``scheduler``,
+                   ``gradient_clipping``, nor DeepSpeed's ``fp16``/``bf16``/``amp`` modes
+                   (bf16 parameters with fp32 masters, not the workload's precision); the
+                   stage is 2
     seed           the model's initialisation, the data, and the random numbers the forward
                    draws (dropout, masks): every forward of batch ``i`` (a ZeRO-2 rank's: of
                    its share ``r``) runs on the global RNGs (torch's, numpy's and Python's
@@ -147,6 +160,7 @@ class Workload:
     offload: str | None = None
     ddp: dict[str, Any] | None = None
     fsdp2: dict[str, Any] | None = None
+    deepspeed: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
@@ -199,6 +213,7 @@ class Workload:
                             f"backend name, got {self.compile!r}")
         _ddp_options(self.ddp, self.name)
         _fsdp2_options(self.fsdp2, self.name)
+        _deepspeed_config(self.deepspeed, self.name)
         if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
             raise ValueError(f"Workload {self.name!r}: seed must be an int >= 0")
         if self.pure is not None and self.compile is not None:
@@ -434,6 +449,9 @@ def _pair(pair: Any, name: str, field: str) -> tuple[Any, Any]:
 
 # Where DDP runs and over which ranks: hookbench's to choose, not a setting of the workload's.
 _DDP_PLACEMENT = ("module", "device_ids", "output_device", "process_group", "device_mesh")
+# The keys of ``ddp`` that are not DDP's keyword arguments: the team's communication hook and a
+# function making its state on each rank (``hookbench.engines.ddp``)
+DDP_HOOK_KEYS = ("comm_hook", "comm_state")
 
 
 def _ddp_options(options: Any, name: str) -> None:
@@ -452,11 +470,21 @@ def _ddp_options(options: Any, name: str) -> None:
         raise ValueError(f"Workload {name!r}: ddp sets {placement}: where DDP runs and over "
                          f"which ranks is hookbench's (gloo ranks on CPU, a GPU each on "
                          f"CUDA); leave them out")
-    unknown = sorted(set(options) - accepted)
+    unknown = sorted(set(options) - accepted - set(DDP_HOOK_KEYS))
     if unknown:
         raise ValueError(f"Workload {name!r}: ddp has {unknown}, which torch "
                          f"{torch.__version__}'s DistributedDataParallel does not take; it "
-                         f"takes {sorted(accepted)}")
+                         f"takes {sorted(accepted)}, and a comm hook as 'comm_hook' (with "
+                         f"'comm_state', a function making its state on each rank)")
+    for key, what in (("comm_hook", "a function (state, bucket) -> Future, as "
+                                    "register_comm_hook takes"),
+                      ("comm_state", "a function of no arguments returning the hook's state")):
+        if key in options and not callable(options[key]):
+            raise TypeError(f"Workload {name!r}: ddp[{key!r}] must be {what}, got "
+                            f"{options[key]!r}")
+    if "comm_state" in options and "comm_hook" not in options:
+        raise ValueError(f"Workload {name!r}: ddp declares a comm_state and no comm_hook; "
+                         f"declare the hook it is for, or leave comm_state out")
 
 
 # What fully_shard takes from a team (Workload.fsdp2), and of which type; the mesh is hookbench's.
@@ -497,6 +525,44 @@ def _fsdp2_options(options: Any, name: str) -> None:
         if not isinstance(options[key], getattr(fsdp.api(), type_name)):
             raise TypeError(f"Workload {name!r}: fsdp2's {key} must be a torch.distributed.fsdp."
                             f"{type_name}, got {options[key]!r}")
+
+
+# What the workload says already, so its DeepSpeed config may not say it again (``deepspeed``)
+_DEEPSPEED_OWNED = {
+    "train_batch_size": "the batch size is the workload's (its batch function), shared by the "
+                        "ranks",
+    "train_micro_batch_size_per_gpu": "the batch size is the workload's, shared by the ranks",
+    "gradient_accumulation_steps": "the engines' rows accumulate hookbench's micro-batches",
+    "optimizer": "the optimizer is the workload's (Workload.optimizer)",
+    "scheduler": "the schedule is the workload's (Workload.lr_scheduler)",
+    "gradient_clipping": "clipping is the workload's (Workload.clip_grad_norm)",
+    "fp16": "DeepSpeed's fp16 mode trains fp16 parameters with fp32 masters, not the "
+            "workload's precision",
+    "bf16": "DeepSpeed's bf16 mode trains bf16 parameters with fp32 masters, not the "
+            "workload's precision",
+    "amp": "the precision is the workload's (Workload.precision)",
+}
+
+
+def _deepspeed_config(config: Any, name: str) -> None:
+    """Validate ``deepspeed``: None or a DeepSpeed config dict saying nothing the workload says
+    (``_DEEPSPEED_OWNED``), ZeRO stage 2."""
+    if config is None:
+        return
+    if not (isinstance(config, dict) and all(isinstance(k, str) for k in config)):
+        raise TypeError(f"Workload {name!r}: deepspeed must be None or a DeepSpeed config dict, "
+                        f"got {config!r}")
+    owned = sorted(set(config) & set(_DEEPSPEED_OWNED))
+    if owned:
+        raise ValueError(f"Workload {name!r}: deepspeed sets {owned}: "
+                         f"{_DEEPSPEED_OWNED[owned[0]]}; leave {owned[0]!r} out")
+    zero = config.get("zero_optimization", {})
+    if not (isinstance(zero, dict) and all(isinstance(k, str) for k in zero)):
+        raise TypeError(f"Workload {name!r}: deepspeed's zero_optimization must be a dict, got "
+                        f"{zero!r}")
+    if zero.get("stage", 2) != 2:
+        raise ValueError(f"Workload {name!r}: deepspeed's zero_optimization stage is "
+                         f"{zero['stage']!r}; the DeepSpeed row is ZeRO stage 2")
 
 
 def describe(selector: Any) -> str:

@@ -9,27 +9,46 @@ trains as on one device), and a communication hook that counts.
     setting_problems  a declared setting DDP does not run: what torch reports differs, or
                       (``gradient_as_bucket_view``) the gradients are not views of the buckets
 
-The hook is torch's own ``default_hooks.allreduce_hook`` (divide by the world size, all-reduce
-SUM: DDP's built-in arithmetic), wrapped to record each call. What it shows is DDP's contract
-with the hooks: under ``no_sync()`` no bucket is reduced; in a synced backward every bucket is
-reduced once and every parameter's gradient travels in exactly one bucket.
+The hook is the team's own where the workload declares one (``Workload.ddp["comm_hook"]``), else
+torch's ``default_hooks.allreduce_hook`` (divide by the world size, all-reduce SUM: DDP's
+built-in arithmetic), wrapped to record each call. What it shows is DDP's contract with the
+hooks: under ``no_sync()`` no bucket is reduced; in a synced backward every bucket is reduced
+once and every parameter's gradient travels in exactly one bucket.
+
+A team's hook (fp16 or bf16 compression, PowerSGD) is another arithmetic than one process's
+step, lossy by design, so it has its own yardstick (``by_hand``): the same hook applied by hand
+on every rank, without DDP, to the gradients each rank accumulated over its micro-batches, in
+the buckets DDP formed, in DDP's order. DDP runs the hook on exactly those inputs, so the two
+agree bit for bit; a DDP that reduces with its built-in all-reduce instead, compresses each
+micro-batch, or drops a bucket does not. The other engines are held to DDP without the hook
+(``plain``), the arithmetic they share.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from hookbench.core.workload import of
+from hookbench.core.workload import DDP_HOOK_KEYS, of
 from hookbench.engines.loop import Refused, train, wrapping
 from hookbench.measure.zero2_runs import rank_device
 
-__all__ = ["bucket_problems", "described", "options", "reported", "setting_problems",
-           "trajectory", "wrap"]
+__all__ = ["HOOK_KEYS", "bucket_problems", "by_hand", "described", "hook_of", "options",
+           "reported", "setting_problems", "trajectory", "wrap"]
+
+# The keys of ``Workload.ddp`` that are not DDP's keyword arguments: the team's communication
+# hook, as ``register_comm_hook(state, hook)`` takes it, and a function of no arguments that
+# makes its state on each rank once the process group exists (PowerSGD's state holds the group
+# and its error feedback); without one the state is None, the default group, as torch's
+# default hooks take it. Both module-level (or partials of such), so that ranks import them.
+HOOK_KEYS = DDP_HOOK_KEYS
 
 # For each setting a workload may declare: the field of DDP's own report
 # (``DistributedDataParallel._get_ddp_logging_data``, what its C++ reducer was built with) and
@@ -41,6 +60,8 @@ _REPORTED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "bucket_cap_mb": ("bucket_cap_bytes", lambda mb: int(mb * 1024 * 1024)),
     "broadcast_buffers": ("broadcast_buffers", bool),
     "forward_sync_buffers": ("broadcast_buffers", bool),
+    # what register_comm_hook logs: the hook's qualified name (``trajectory`` keeps it)
+    "comm_hook": ("comm_hook", lambda hook: hook.__qualname__),
 }
 
 
@@ -51,7 +72,7 @@ def options(declared: dict[str, Any] | None) -> dict[str, Any]:
     FutureWarning); its successor still syncs the buffers at init, where every rank's are equal
     anyway (the same seed builds the model)."""
     if declared is not None:
-        return dict(declared)
+        return {k: v for k, v in declared.items() if k not in HOOK_KEYS}
     sync = ({"forward_sync_buffers": False}
             if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
             else {"broadcast_buffers": False})
@@ -72,15 +93,39 @@ def reported(ddp: DistributedDataParallel, declared: dict[str, Any] | None) -> d
             for key in declared or {} if key in _REPORTED}
 
 
+def hook_of(declared: dict[str, Any] | None) -> tuple[Callable, Any]:
+    """The communication hook a workload's ``ddp`` declares and its state, made on this rank;
+    torch's ``allreduce_hook`` on the default group where it declares none."""
+    declared = declared or {}
+    make = declared.get("comm_state")
+    return declared.get("comm_hook", default_hooks.allreduce_hook), make() if make else None
+
+
 def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
-               steps: int, accumulation: int = 1, **_: Any) -> dict[str, Any]:
+               steps: int, accumulation: int = 1, comm_hook: bool = True, **_: Any
+               ) -> dict[str, Any]:
     """Train ``spec`` with DDP on this rank's share of each global batch (run on every rank),
     ``accumulation`` micro-batches per step, all but the last under ``no_sync()``. Returns the
     parameters after every step and, per backward, ``"buckets"``: for each comm-hook call the
     bucket's index and its parameters' names, in call order; ``{"torch_refuses": ...}`` where
-    DDP refuses the model (``loop.Refused``)."""
-    device = rank_device(rank)
+    DDP refuses the model (``loop.Refused``). Where the workload declares a comm hook, also
+    ``"by_hand"``, the hook applied by hand (``by_hand``), and ``"plain"``, DDP without it;
+    ``comm_hook=False``: only DDP without it (the reference ZeRO-2 is held to)."""
     spec = of(spec)
+    hooked = comm_hook and "comm_hook" in (spec.ddp or {})
+    out = _train(rank, world, spec, optimizer_class, kwargs, steps, accumulation,
+                 hook_of(spec.ddp if hooked else None))
+    if hooked and "torch_refuses" not in out:
+        out["by_hand"] = by_hand(rank, world, spec, optimizer_class, kwargs, steps,
+                                 accumulation, out["after_backward"])
+        out["plain"] = _train(rank, world, spec, optimizer_class, kwargs, steps, accumulation,
+                              hook_of(None))["snapshots"]
+    return out
+
+
+def _train(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
+           steps: int, accumulation: int, hook: tuple[Callable, Any]) -> dict[str, Any]:
+    device = rank_device(rank)
     model = spec.build().to(device)
     try:
         ddp = wrapping("DistributedDataParallel", lambda: wrap(model, spec.ddp))
@@ -89,18 +134,17 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     names = {p: n for n, p in model.named_parameters()}
     calls: list[tuple[int, list[str]]] = []
     buffers: set[int] = set()  # the storages of the buckets handed to the hook
+    comm_hook, state = hook
 
-    def counting(state, bucket):  # unannotated: DDP checks the annotations it finds
+    @functools.wraps(comm_hook)  # DDP logs the hook's name, and checks its annotations
+    def counting(state, bucket):
         calls.append((bucket.index(), [names[p] for p in bucket.parameters()]))
         if bucket.buffer().layout == torch.strided:
             buffers.add(bucket.buffer().untyped_storage().data_ptr())
-        # looked up on the module at each call, as DDP's own dispatch would find it
-        return default_hooks.allreduce_hook(state, bucket)
+        return comm_hook(state, bucket)
 
-    ddp.register_comm_hook(None, counting)
-    params = spec.optimizer_params(model)
-    optimizer = optimizer_class(list(model.parameters()) if params is None else params, **kwargs)
-
+    ddp.register_comm_hook(state, counting)
+    optimizer = _optimizer(spec, model, optimizer_class, kwargs)
     views = bool((spec.ddp or {}).get("gradient_as_bucket_view"))
 
     def observe(synced: bool) -> dict[str, Any]:
@@ -115,15 +159,102 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
         return seen
 
     out = train(rank, world, spec, model, ddp, optimizer, device, steps, accumulation,
-                ddp.no_sync, observe,
-                lambda: {n: p.detach().cpu().clone() for n, p in model.named_parameters()})
+                ddp.no_sync, observe, _parameters(model))
     out["settings"] = reported(ddp, spec.ddp)
     return out
 
 
+def _optimizer(spec: Any, model: torch.nn.Module, optimizer_class: type, kwargs: dict) -> Any:
+    params = spec.optimizer_params(model)
+    return optimizer_class(list(model.parameters()) if params is None else params, **kwargs)
+
+
+def _parameters(model: torch.nn.Module) -> Callable[[], dict[str, torch.Tensor]]:
+    return lambda: {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+
+
+class _Bucket:
+    """What a comm hook is handed, as ``dist.GradBucket`` gives it: one flat buffer of the
+    bucket's gradients in its parameters' order, and views of it shaped as the gradients."""
+
+    def __init__(self, index: int, params: list[torch.Tensor], last: bool) -> None:
+        self._index, self._params, self._last = index, params, last
+        sparse = len(params) == 1 and params[0].grad is not None and params[0].grad.is_sparse
+        # a sparse gradient is a bucket of its own, handed over as it is (as DDP does)
+        self._buffer = params[0].grad if sparse else torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+             for p in params])
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer = tensor
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        if self._buffer.is_sparse:
+            return [self._buffer]
+        sizes = [p.numel() for p in self._params]
+        return [v.view_as(p) for v, p in zip(self._buffer.split(sizes), self._params)]
+
+
+def by_hand(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
+            steps: int, accumulation: int, after_backward: list[dict[str, Any]]
+            ) -> list[dict[str, torch.Tensor]]:
+    """The workload's comm hook applied by hand (run on every rank): the same loop on the same
+    share without DDP, the gradients accumulated over the micro-batches as under
+    ``no_sync()``, then, after the synced backward, each bucket DDP formed (DDP's run's
+    ``after_backward``: its membership and order, which DDP may rebuild after the first
+    step) handed to the hook, with a fresh state, and its result written back as DDP writes
+    it: into every parameter some rank computed a gradient for. The parameters after every
+    step."""
+    device = rank_device(rank)
+    model = spec.build().to(device)
+    named = dict(model.named_parameters())
+    comm_hook, state = hook_of(spec.ddp)
+    backwards = iter(after_backward)
+
+    def observe(synced: bool) -> dict[str, Any]:
+        buckets = next(backwards)["buckets"]
+        if synced:
+            # a parameter no rank computed a gradient for keeps none, as under DDP
+            params = [named[n] for _, names in buckets for n in names]
+            used = torch.tensor([p.grad is not None for p in params], dtype=torch.int32,
+                                device=device)
+            dist.all_reduce(used, op=dist.ReduceOp.MAX)
+            used_by = dict(zip(map(id, params), used.tolist()))
+            for k, (index, names) in enumerate(buckets):
+                bucket = _Bucket(index, [named[n] for n in names], k == len(buckets) - 1)
+                result = comm_hook(state, bucket).wait()
+                if result.is_sparse:
+                    bucket.parameters()[0].grad = result
+                    continue
+                for p, g in zip(bucket.parameters(), result.split([p.numel() for p in
+                                                                   bucket.parameters()])):
+                    if used_by[id(p)]:
+                        p.grad = g.view_as(p).clone()
+        return {}
+
+    return train(rank, world, spec, model, model, _optimizer(spec, model, optimizer_class,
+                                                             kwargs),
+                 device, steps, accumulation, contextlib.nullcontext, observe,
+                 _parameters(model))["snapshots"]
+
+
 def described(settings: dict[str, Any]) -> str:
-    """Settings in words: ``key=value, ...``."""
-    return ", ".join(f"{key}={value!r}" for key, value in settings.items()) or "nothing"
+    """Settings in words: ``key=value, ...`` (a function by its name)."""
+    return ", ".join(f"{key}={getattr(value, '__qualname__', None) or repr(value)}"
+                     if callable(value) else f"{key}={value!r}"
+                     for key, value in settings.items()) or "nothing"
 
 
 def setting_problems(declared: dict[str, Any] | None, rank0: dict[str, Any]) -> list[str]:
@@ -136,7 +267,7 @@ def setting_problems(declared: dict[str, Any] | None, rank0: dict[str, Any]) -> 
             field, means = _REPORTED[key]
             ran = rank0["settings"].get(field)
             if ran is None or ran != means(value):
-                problems.append(f"declared {key}={value!r}, DDP runs {field}={ran}")
+                problems.append(f"declared {described({key: value})}, DDP runs {field}={ran}")
     if (declared or {}).get("gradient_as_bucket_view"):
         apart = [i for i, seen in enumerate(rank0["after_backward"])
                  if seen["synced"] and not seen["grads_in_buckets"]]

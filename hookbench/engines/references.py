@@ -92,8 +92,10 @@ ENGINE_RUNS = {"ddp": ddp.trajectory, "fsdp2": fsdp2.trajectory,
 
 def with_ddp(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """ZeRO-2 ``cases`` followed by a DDP case for each (the same spec, optimizer, options and
-    steps; never a fault: the reference must be the release's own DDP)."""
-    return [*cases, *({**case, "engine": "ddp", "fault": None} for case in cases)]
+    steps; never a fault, and never the workload's comm hook: the reference must be the
+    release's own DDP, reducing as ZeRO-2 does)."""
+    return [*cases, *({**case, "engine": "ddp", "fault": None, "comm_hook": False}
+                      for case in cases)]
 
 
 def single_process(workload: Workload, optimizer_class: type, kwargs: dict[str, Any],
@@ -165,10 +167,12 @@ def arithmetic_differs(workload: Workload, world: int) -> list[str]:
 
 def judge(workload: Workload, zero2: list[Snapshot], ddp: list[Snapshot] | None,
           reference: list[Snapshot], rounding: list[Snapshot] | None, why: str,
-          tol: Tolerance, world: int = 2, differs: tuple[str, ...] = ()) -> dict[str, Any]:
+          tol: Tolerance, world: int = 2, differs: tuple[str, ...] = (),
+          no_ddp: str = "") -> dict[str, Any]:
     """A ZeRO-2 run's parameters (rank 0's, every step) against DDP's (None: DDP could not run
-    it, and ``why`` says so) and the single process's: ``problems``, ``parity`` (what was
-    compared, in words) and ``noise_floor`` (the largest |DDP - single process| per step).
+    it, and ``no_ddp`` says why) and the single process's (``why``: why float64 could not run
+    it, where ``rounding`` is None): ``problems``, ``parity`` (what was compared, in words)
+    and ``noise_floor`` (the largest |DDP - single process| per step).
 
     Against DDP bit for bit, except where ZeRO-2's arithmetic differs by design: a clipping
     norm summed shard by shard, a compiled model. Against the single process: within ``tol``
@@ -201,7 +205,7 @@ def judge(workload: Workload, zero2: list[Snapshot], ddp: list[Snapshot] | None,
         if not against.ok:
             problems.append(words[-1])
     else:
-        words.append(f"vs DDP: not compared ({why})")
+        words.append(f"vs DDP: not compared ({no_ddp or why})")
     derived = compare(ddp, reference, tol, rounding) if ddp is not None else None
     if derived is None or derived.ok:
         result = compare(zero2, reference, tol, rounding)

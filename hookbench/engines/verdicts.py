@@ -18,7 +18,10 @@ What each row is held to:
               rounding-level bounds (``references``). Where DDP is further from it than that
               (BatchNorm over small shares: another legal fp32 order), it holds only if FSDP2
               ZeRO-2, another engine, drifts from it too and stays within 2x the measured
-              noise floor |DDP - single process| of DDP.
+              noise floor |DDP - single process| of DDP. With the team's comm hook
+              (``Workload.ddp["comm_hook"]``): that hook applied by hand to the same inputs,
+              bit for bit (``ddp.by_hand``); DDP without it is held as above and is what the
+              other engines are compared with.
     fsdp2_*   every shard's post-accumulate-grad hook called once per run of its unit in a
               synced backward (``fsdp2.unit_runs``, ``fsdp2.hook_problems``; none for a shard
               without a gradient) with its reduced shard gradient, never without sync; no gathered gradient left; both ranks equal. fp32: against DDP
@@ -197,13 +200,16 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
                                                 fsdp2.unit_runs(workload),
                                                 engine == "fsdp2_in_backward")
                             + fsdp2.setting_problems(workload.fsdp2, ranks[0]))
-            else:  # DeepSpeed's own hooks are its business: its parity is judged
-                problems = []
+            else:  # DeepSpeed's own hooks are its business: its parity and settings are
+                problems = deepspeed.setting_problems(workload, ranks[0])
             out[engine] = {"problems": problems + _ranks_agree(ranks),
                            "snapshots": ranks[0]["snapshots"]}
         if ranks[0].get("warnings"):  # said in the row, not on the terminal
             out[engine]["warnings"] = ranks[0]["warnings"]
     snaps = {e: row["snapshots"] for e, row in out.items() if "snapshots" in row}
+    hook = (workload.ddp or {}).get("comm_hook")
+    if hook is not None and "ddp" in snaps:  # the arithmetic the other engines share with DDP
+        snaps["ddp"] = got["ddp"][0]["plain"]
     mixed = workload.precision == "bf16"
     # the dtypes FSDP2 computes and reduces in, where not the shards': hookbench's policy under
     # bf16, or the one the workload declares (Workload.fsdp2)
@@ -221,8 +227,24 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
         dtypes = (fsdp2_dtypes if engine.startswith("fsdp2")
                   else (torch.bfloat16, torch.float32) if mixed else None)
         if engine == "ddp":
+            plain = ""
+            if hook is not None:
+                # the team's hook is its own arithmetic (lossy compression, low rank): held bit
+                # for bit to itself applied by hand to the same inputs; DDP without it to the
+                # one process below, and what the hook changes is said
+                by_hand = compare(row["snapshots"], got["ddp"][0]["by_hand"])
+                words.append(f"comm hook {hook.__qualname__}: vs the hook applied by hand to "
+                             f"each rank's accumulated gradients in DDP's buckets: "
+                             f"{by_hand.verdict()}")
+                if not by_hand.ok:
+                    row["problems"].append(words[-1])
+                moved = compare(row["snapshots"], snaps["ddp"])
+                words.append("the hook changes nothing against DDP without it" if moved.bit_exact
+                             else f"the hook moves the parameters up to {moved.max_abs:.3g} "
+                                  f"from DDP without it ({moved.where})")
+                plain = "DDP without the hook "
             result = compare(snaps["ddp"], single, tol, rounding)
-            words.append(f"vs one process on the ranks' shares: {result.verdict()}")
+            words.append(f"{plain}vs one process on the ranks' shares: {result.verdict()}")
             # the yardstick the baseline keeps: how far two legal references drift apart on
             # this workload, step by step (the gate holds a later torch to it)
             row["noise_floor"] = references.largest(references.noise_floor(snaps["ddp"], single))
@@ -240,7 +262,7 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
             else:
                 confirmed, by = False, ""
             if confirmed:
-                words[-1] = (f"vs one process on the ranks' shares: {result.ratio:.3g}x the "
+                words[-1] = (f"{plain}vs one process on the ranks' shares: {result.ratio:.3g}x the "
                              f"tolerance, another legal {_short(workload.parameter_dtype)} "
                              f"order, confirmed by FSDP2 ZeRO-2 "
                              f"{by}: this workload's noise floor")
@@ -268,14 +290,20 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
                          f"{reduced} and fp32 masters: {result.verdict()}")
             if not result.ok:
                 row["problems"].append(words[-1])
-        elif "ddp" in snaps:
-            verdict = references.judge(workload, row["snapshots"], snaps["ddp"], single,
-                                       rounding, why, tol, world, DEEPSPEED_DIFFERS
-                                       if engine == "deepspeed_zero2" else fsdp2_differs)
+        else:
+            # where DDP did not train (it failed on a declared setting, or with reentrant
+            # checkpointing: its own words are in its row), one process is the yardstick alone
+            ddp_failed = (None if "ddp" in snaps else
+                          "DDP did not train the workload: its row says why"
+                          if "ddp" in got else "no DDP run")
+            verdict = references.judge(workload, row["snapshots"], snaps.get("ddp"), single,
+                                       rounding, why, tol, world,
+                                       DEEPSPEED_DIFFERS if engine == "deepspeed_zero2"
+                                       else fsdp2_differs, no_ddp=ddp_failed or "")
             words.append(verdict["parity"])
             row["problems"] += verdict["problems"]
-        else:
-            row["problems"].append("no DDP run to compare with")
+            if engine == "deepspeed_zero2" and workload.deepspeed:
+                words.append(deepspeed.described(workload, got[engine][0]))
         if engine.startswith("fsdp2"):
             words.append(f"{got[engine][0]['units']} blocks sharded besides the root")
             if workload.fsdp2:  # what FSDP2 ran, beside what was declared

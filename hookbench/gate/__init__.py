@@ -178,8 +178,8 @@ def selfcheck(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
     sections = tuple(s for s in sections if REGISTRY[s].FAULTS != ())
     # Only the faults some chosen section targets: a fault no chosen section is meant to
     # catch would otherwise run the gate on nothing and read as missed.
-    runs = [None, *(f for f in FAULTS if any(REGISTRY[s].FAULTS is None or f in REGISTRY[s].FAULTS
-                                             for s in sections))]
+    runs = [None, *(f for f in FAULTS if f not in names.PEER_FAULTS and any(
+        REGISTRY[s].FAULTS is None or f in REGISTRY[s].FAULTS for s in sections))]
     progress("starting 2 gloo ranks for every fault's ZeRO-2 run ...")
     ranks = zero2.run_ranks(runs) if "zero2" in sections else dict.fromkeys(runs)
     caught = {}

@@ -148,6 +148,9 @@ def write_atomically(path: Path, text: str) -> None:
     try:
         with os.fdopen(handle, "w", encoding="utf-8") as f:
             f.write(text)
+        # not mkstemp's 0600, which would keep a baseline from the rest of the team: the mode
+        # the file had, or a new file's usual 0644
+        os.chmod(staged, path.stat().st_mode & 0o777 if path.exists() else 0o644)
         os.replace(staged, path)
     except BaseException:
         os.unlink(staged)

@@ -17,7 +17,9 @@ keep each offloaded tensor's device copy alive, or compress in lossless mode; en
 FSDP2 forget the hooks on its shards, the reduce-scatter hand a rank its neighbour's slice, or
 DDP hand each gradient bucket to its communication hook twice, or DDP run its defaults for
 ``static_graph``, ``gradient_as_bucket_view`` and ``bucket_cap_mb`` whatever it is given
-(``ddp_drops_settings``), or FSDP2 its defaults for ``mp_policy``, ``reshard_after_forward``
+(``ddp_drops_settings``), or reduce with its built-in all-reduce whatever comm hook it is
+given (``ddp_ignores_comm_hook``), or DeepSpeed build its ZeRO optimizer with its defaults
+whatever the config says (``deepspeed_drops_settings``, on a rank where deepspeed is), or FSDP2 its defaults for ``mp_policy``, ``reshard_after_forward``
 and ``offload_policy`` (``fsdp2_drops_settings``); ``implementation_flag_ignored``
 drops an optimizer's ``foreach``/``fused`` choice, so its step runs the for-loop;
 ``fused_sgd_skips_low_precision`` leaves bf16 and fp16 parameters unchanged by fused SGD
@@ -471,6 +473,25 @@ def _reduces_each_bucket_twice(original: Callable) -> Callable:
     return register_comm_hook
 
 
+def _ignores_comm_hook(original: Callable) -> Callable:
+    # DDP reduces every bucket with its built-in arithmetic (divide by the world size, all-reduce
+    # SUM) whatever hook it was given. The hook is still called, so its calls and collectives
+    # run as before, and its result is thrown away: where the hook is torch's allreduce_hook
+    # nothing moves, and a compressing hook's row differs from the hook applied by hand.
+    def register_comm_hook(self, state, hook):
+        @functools.wraps(hook)
+        def builtin(state, bucket):
+            kept = bucket.buffer().clone()
+            hook(state, bucket).wait()
+            kept.div_(torch.distributed.get_world_size())
+            return torch.distributed.all_reduce(kept, async_op=True).get_future().then(
+                lambda fut: fut.value()[0])
+
+        return original(self, state, builtin)
+
+    return register_comm_hook
+
+
 def _ddp_construction() -> list[tuple[object, str]]:
     from torch.nn.parallel import DistributedDataParallel
 
@@ -508,6 +529,36 @@ def _fsdp2_drops_settings(original: Callable) -> Callable:
     return fully_shard
 
 
+def _deepspeed_initialize() -> list[tuple[object, str]]:
+    # only on a rank, where DeepSpeed runs: importing it elsewhere would pick its accelerator
+    # for the whole process (``deepspeed_zero2._deepspeed``); without deepspeed, nothing to break
+    from hookbench.core.prerequisites import MissingPrerequisite
+    from hookbench.measure.peers import deepspeed_zero2
+
+    if not torch.distributed.is_initialized():
+        return []
+    try:
+        return [(deepspeed_zero2._deepspeed(), "initialize")]
+    except MissingPrerequisite:
+        return []
+
+
+def _deepspeed_drops_settings(original: Callable) -> Callable:
+    # DeepSpeed builds its ZeRO optimizer with its defaults for how it reduces (buckets,
+    # overlap, contiguous gradients, reduce-scatter, the reduction's dtype and scaling) whatever
+    # the config says: only what its optimizer was built with shows it.
+    @functools.wraps(original)
+    def initialize(*args, config=None, **kwargs):
+        if isinstance(config, dict):
+            config = {k: v for k, v in config.items() if k not in (
+                "communication_data_type", "prescale_gradients", "gradient_predivide_factor")}
+            config["zero_optimization"] = {
+                "stage": config.get("zero_optimization", {}).get("stage", 2)}
+        return original(*args, config=config, **kwargs)
+
+    return initialize
+
+
 _ABSENT = object()
 
 Swap = tuple[Callable[[], list[tuple[object, str]]], Callable[[Callable], Callable]]
@@ -541,6 +592,8 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "reduce_scatter_wrong_slice": (_reduce_scatters, _hands_wrong_slice),
     "ddp_bucket_reduced_twice": (_comm_hook_registration, _reduces_each_bucket_twice),
     "ddp_drops_settings": (_ddp_construction, _drops_settings),
+    "ddp_ignores_comm_hook": (_comm_hook_registration, _ignores_comm_hook),
+    "deepspeed_drops_settings": (_deepspeed_initialize, _deepspeed_drops_settings),
     "fsdp2_drops_settings": (_fully_shard, _fsdp2_drops_settings),
     "implementation_flag_ignored": (lambda: [(torch.optim.Optimizer, "add_param_group")],
                                     _ignores_implementation_flags),

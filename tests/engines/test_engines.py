@@ -7,6 +7,7 @@ the rows it guards. One start of the ranks runs all four engines (~3 s).
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from typing import Any
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
 from hookbench import Workload
 from hookbench.core import launch
@@ -47,9 +49,11 @@ def batch(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # DDP as a team declares it, each setting other than torch's default so that DDP ignoring it
-# shows (ddp_drops_settings); Blocks fits one bucket either way, so the arithmetic is the same
+# shows (ddp_drops_settings); Blocks fits one bucket either way, so the arithmetic is the same.
+# And a comm hook of the team's (fp16 compression: other numbers than DDP's own all-reduce, so
+# that DDP ignoring it shows, ddp_ignores_comm_hook)
 DDP_SETTINGS = {"find_unused_parameters": True, "gradient_as_bucket_view": True,
-                "bucket_cap_mb": 1}
+                "bucket_cap_mb": 1, "comm_hook": default_hooks.fp16_compress_hook}
 # FSDP2 as a team declares it: its units by name (the blocks, hookbench's own choice too, so the
 # arithmetic is unchanged), no resharding after forward on every row, and a policy and an
 # offload that only FSDP2's state can show on CPU ranks (fp32 reductions of fp32 gradients;
@@ -57,9 +61,15 @@ DDP_SETTINGS = {"find_unused_parameters": True, "gradient_as_bucket_view": True,
 FSDP2_SETTINGS = {"units": re.compile(r"blocks\.\d+"), "reshard_after_forward": False,
                   "mp_policy": fsdp2.api().MixedPrecisionPolicy(reduce_dtype=torch.float32),
                   "offload_policy": fsdp2.api().CPUOffloadPolicy(pin_memory=False)}
+# DeepSpeed as a team declares it (its row runs in the peers tier): buckets of 4096 elements and
+# no contiguous gradient buffer, both other than DeepSpeed's defaults so that its ignoring them
+# shows (deepspeed_drops_settings), and a key it keeps nowhere readable, passed on as given
+DS_CONFIG = {"zero_optimization": {"reduce_bucket_size": 4096, "allgather_bucket_size": 4096,
+                                   "contiguous_gradients": False},
+             "wall_clock_breakdown": False}
 WORKLOAD = Workload("blocks", model=Blocks, batch=batch, loss=F.cross_entropy,
                     optimizer=(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
-                    ddp=DDP_SETTINGS, fsdp2=FSDP2_SETTINGS)
+                    ddp=DDP_SETTINGS, fsdp2=FSDP2_SETTINGS, deepspeed=DS_CONFIG)
 
 
 def engine_rows(workload: Workload, fault: str | None = None) -> dict[str, dict]:
@@ -78,12 +88,17 @@ def test_every_engine_holds_on_a_workload_with_dropout_and_weight_decay(rows):
     assert set(rows) == set(verdicts.ENGINES)
     for engine, row in rows.items():
         assert row["problems"] == [], (engine, row)
-    assert rows["ddp"]["parity"].startswith("vs one process on the ranks' shares: ")
+    # the team's hook held to itself applied by hand, bit for bit; DDP without it to one process
+    assert rows["ddp"]["parity"].startswith(
+        "comm hook fp16_compress_hook: vs the hook applied by hand to each rank's accumulated "
+        "gradients in DDP's buckets: bit-exact; the hook moves the parameters up to "), rows
+    assert "; DDP without the hook vs one process on the ranks' shares: " in rows["ddp"]["parity"]
     # torch's own report of what DDP's reducer runs, beside what the workload declared
     assert ("DDP reports find_unused_parameters=1, gradient_as_bucket_view=1, "
-            "bucket_cap_bytes=1048576") in rows["ddp"]["parity"], rows["ddp"]
+            "bucket_cap_bytes=1048576, comm_hook='fp16_compress_hook'"
+            in rows["ddp"]["parity"]), rows["ddp"]
     # 2 ranks: FSDP2's AVG and DDP's divide-then-sum are the same fp32 arithmetic (halving is
-    # exact), so the FSDP2 settings match DDP to the bit
+    # exact), so the FSDP2 settings match DDP (without the team's hook) to the bit
     for engine in ("fsdp2_zero2", "fsdp2_zero3"):
         assert rows[engine]["parity"].startswith("vs DDP on the same shares: bit-exact"), rows
         assert "2 blocks sharded besides the root" in rows[engine]["parity"]
@@ -140,6 +155,11 @@ def test_the_optimizer_in_backward_under_fsdp2_holds_fewer_shard_gradients(rows)
     ("reduce_scatter_wrong_slice", {"fsdp2_zero2", "fsdp2_zero3"}, "vs DDP"),
     # a setting torch ignores: the numbers do not move, DDP's report and the gradients' storage do
     ("ddp_drops_settings", {"ddp"}, "declared gradient_as_bucket_view=True, but after backward 1"),
+    # DDP reducing with its own all-reduce instead of the team's hook: the hook's calls and
+    # DDP's report are as before, only the hook applied by hand shows it
+    ("ddp_ignores_comm_hook", {"ddp"}, "comm hook fp16_compress_hook: vs the hook applied by "
+                                       "hand to each rank's accumulated gradients in DDP's "
+                                       "buckets: MISMATCH"),
     # FSDP2 sharding with its defaults: the units' parameters stay sharded after forward
     # (each declared setting its own problem)
     ("fsdp2_drops_settings", {"fsdp2_zero2", "fsdp2_zero3", "fsdp2_in_backward"}, (
@@ -172,7 +192,7 @@ def test_fsdp2_rows_name_shard_hooks_called_other_than_once():
 
 def test_ddp_rows_name_each_declared_setting_ddp_does_not_run():
     ran = {"settings": {"find_unused_parameters": 1, "gradient_as_bucket_view": 1,
-                        "bucket_cap_bytes": 1048576},
+                        "bucket_cap_bytes": 1048576, "comm_hook": "fp16_compress_hook"},
            "after_backward": [{"synced": False, "grads_in_buckets": False},
                               {"synced": True, "grads_in_buckets": True}]}
     assert ddp.setting_problems(DDP_SETTINGS, ran) == []
@@ -184,6 +204,9 @@ def test_ddp_rows_name_each_declared_setting_ddp_does_not_run():
         "declared gradient_as_bucket_view=True, but after backward 1 the gradients are not "
         "views of DDP's buckets"]
     assert "DDP runs static_graph=None" in ddp.setting_problems({"static_graph": True}, ran)[0]
+    # the hook DDP logs registering (register_comm_hook), by its name
+    assert ddp.setting_problems({"comm_hook": default_hooks.allreduce_hook}, ran) == [
+        "declared comm_hook=allreduce_hook, DDP runs comm_hook=fp16_compress_hook"]
 
 
 def test_static_graph_with_accumulation_under_no_sync_is_torchs_failure_in_its_words():
@@ -206,6 +229,53 @@ def test_a_ddp_setting_the_workload_cannot_declare_is_refused_in_words():
         WORKLOAD.replace(ddp={"bucket_cap": 25})
     with pytest.raises(TypeError, match="ddp must be None or a dict"):
         WORKLOAD.replace(ddp=[("static_graph", True)])
+    with pytest.raises(TypeError, match=r"ddp\['comm_hook'\] must be a function \(state, "
+                                        r"bucket\) -> Future"):
+        WORKLOAD.replace(ddp={"comm_hook": "fp16"})
+    with pytest.raises(TypeError, match=r"ddp\['comm_state'\] must be a function of no "
+                                        r"arguments"):
+        WORKLOAD.replace(ddp={"comm_hook": default_hooks.fp16_compress_hook, "comm_state": 1})
+    with pytest.raises(ValueError, match="declares a comm_state and no comm_hook"):
+        WORKLOAD.replace(ddp={"comm_state": dict})
+
+
+# PowerSGD as its users run it: rank 1, compressing from the third synced backward on (the
+# first two all-reduce whole, as the hook does before start_powerSGD_iter), error feedback and
+# warm start on; its state made on each rank, as the process group must exist first
+POWER_SGD = functools.partial(powerSGD_hook.PowerSGDState, process_group=None,
+                              matrix_approximation_rank=1, start_powerSGD_iter=2,
+                              min_compression_rate=0.5)
+
+
+@pytest.mark.slow
+def test_a_stateful_comm_hook_is_held_to_itself_applied_by_hand():
+    # PowerSGD keeps per-bucket state (error feedback, warm-started factors, an iteration count
+    # stepped on the last bucket): the hook applied by hand on a fresh state agrees bit for bit
+    got = engine_rows(WORKLOAD.replace(
+        name="blocks-powersgd", ddp={"comm_hook": powerSGD_hook.powerSGD_hook,
+                                     "comm_state": POWER_SGD}))
+    assert got["ddp"]["problems"] == [], got["ddp"]
+    assert got["ddp"]["parity"].startswith(
+        "comm hook powerSGD_hook: vs the hook applied by hand to each rank's accumulated "
+        "gradients in DDP's buckets: bit-exact; the hook moves the parameters up to "), got
+    # lossy by design: far from DDP without it, which the other engines are held to
+    moved = float(re.search(r"moves the parameters up to (\S+) ", got["ddp"]["parity"])[1])
+    assert moved > 1e-4, got["ddp"]
+    assert got["fsdp2_zero2"]["problems"] == [], got["fsdp2_zero2"]
+    # torch's batched variant (2.14.1 and every release since 1.12's batched orthogonalization,
+    # pytorch#75157: it hands a 2-D matrix to the 3-D _orthogonalize) fails in torch's own
+    # terms, where it raised, on both ranks; a release that fixes it holds as the other does
+    batched = engine_rows(WORKLOAD.replace(
+        name="blocks-batched-powersgd", ddp={"comm_hook": powerSGD_hook.batched_powerSGD_hook,
+                                             "comm_state": POWER_SGD}))["ddp"]
+    if batched["problems"]:
+        assert len(batched["problems"]) == 2, batched
+        for r, said in enumerate(batched["problems"]):
+            assert re.fullmatch(
+                rf"rank {r}: AssertionError: \(no message\) raised in _orthogonalize, "
+                r"torch/distributed/algorithms/ddp_comm_hooks/powerSGD_hook\.py:\d+", said), said
+    else:
+        assert "bit-exact" in batched["parity"], batched
 
 
 @pytest.mark.parametrize("settings, error, words", [
@@ -453,8 +523,9 @@ def _all_reduce_hands_wrong_elements():
         dist.all_reduce = original
 
 
-def _deepspeed_ranks(rank: int, world: int, broken: bool) -> list[dict[str, Any]]:
-    _, runs = workload_checks.engine_runs([WORKLOAD], None, world, DS_ENGINES)
+def _deepspeed_ranks(rank: int, world: int, broken: bool, fault: str | None
+                     ) -> list[dict[str, Any]]:
+    _, runs = workload_checks.engine_runs([WORKLOAD], fault, world, DS_ENGINES)
     out = []
     for case in (case for cases in runs for case in cases):  # only DeepSpeed's run broken
         with (_all_reduce_hands_wrong_elements() if broken and case["engine"] == "deepspeed"
@@ -463,20 +534,55 @@ def _deepspeed_ranks(rank: int, world: int, broken: bool) -> list[dict[str, Any]
     return out
 
 
-def _deepspeed_rows(broken: bool = False) -> dict[str, dict]:
-    stopped, runs = workload_checks.engine_runs([WORKLOAD], None, 2, DS_ENGINES)
-    got = launch.run(_deepspeed_ranks, 2, broken)
+def _deepspeed_rows(broken: bool = False, fault: str | None = None) -> dict[str, dict]:
+    stopped, runs = workload_checks.engine_runs([WORKLOAD], fault, 2, DS_ENGINES)
+    got = launch.run(_deepspeed_ranks, 2, broken, fault)
     return workload_checks.engine_rows([WORKLOAD], stopped, runs, got, 2, DS_ENGINES)
 
 
 @pytest.mark.peers
 @needs_deepspeed
-def test_deepspeed_zero2_trains_a_workload_like_ddp():
-    rows = _deepspeed_rows()
+def test_deepspeed_zero2_trains_a_workload_like_ddp_as_declared(request):
+    # under --hookbench-fault the ranks run that fault too, so the suite fails under it
+    rows = _deepspeed_rows(fault=request.config.getoption("--hookbench-fault"))
     row = rows["blocks/engines/deepspeed_zero2"]
     assert row["problems"] == [], row
     assert row["parity"].startswith("vs DDP on the same shares: ok"), row["parity"]
     assert "no no-sync" in row["parity"]  # not bit for bit, and it says why
+    # what DeepSpeed's ZeRO optimizer was built with, beside what the workload declared
+    assert ("declared zero_optimization.reduce_bucket_size=4096, zero_optimization."
+            "allgather_bucket_size=4096, zero_optimization.contiguous_gradients=False, "
+            "wall_clock_breakdown=False; DeepSpeed's ZeRO optimizer runs "
+            "reduce_bucket_size=4096, allgather_bucket_size=4096, contiguous_gradients=False; "
+            "passed as given, not read back: wall_clock_breakdown") in row["parity"], row
+
+
+@pytest.mark.peers
+@needs_deepspeed
+def test_deepspeed_building_with_its_defaults_fails_the_row_naming_each_setting():
+    row = _deepspeed_rows(fault="deepspeed_drops_settings")["blocks/engines/deepspeed_zero2"]
+    assert row["problems"] == [
+        "declared zero_optimization.reduce_bucket_size=4096, DeepSpeed's ZeRO optimizer runs "
+        "reduce_bucket_size=500000000",
+        "declared zero_optimization.allgather_bucket_size=4096, DeepSpeed's ZeRO optimizer "
+        "runs allgather_bucket_size=500000000",
+        "declared zero_optimization.contiguous_gradients=False, DeepSpeed's ZeRO optimizer "
+        "runs contiguous_gradients=True"], row
+
+
+@pytest.mark.parametrize("config, error, words", [
+    ({"train_micro_batch_size_per_gpu": 4}, ValueError,
+     r"deepspeed sets \['train_micro_batch_size_per_gpu'\]: the batch size is the workload's"),
+    ({"optimizer": {"type": "AdamW"}}, ValueError, "the optimizer is the workload's"),
+    ({"bf16": {"enabled": True}}, ValueError, "DeepSpeed's bf16 mode trains bf16 parameters "
+                                              "with fp32 masters"),
+    ({"zero_optimization": {"stage": 3}}, ValueError, "the DeepSpeed row is ZeRO stage 2"),
+    ({"zero_optimization": [("stage", 2)]}, TypeError, "zero_optimization must be a dict"),
+    ([("zero_optimization", {})], TypeError, "deepspeed must be None or a DeepSpeed config"),
+])
+def test_a_deepspeed_config_saying_what_the_workload_says_is_refused(config, error, words):
+    with pytest.raises(error, match=words):
+        WORKLOAD.replace(deepspeed=config)
 
 
 @pytest.mark.peers

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import socket
 import sys
 import textwrap
 from pathlib import Path
@@ -19,7 +20,6 @@ import torch
 
 from hookbench.cli import main
 from hookbench.core import launch
-from hookbench.core.launch import free_port
 
 pytestmark = pytest.mark.distributed
 
@@ -56,6 +56,14 @@ MODULE = textwrap.dedent('''
                         optimizer=(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}))
 ''')
 AGENT_TIMEOUT = 300  # seconds: one agent and its two ranks, started together with the other
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, for torchrun's rendezvous
+    (the first agent binds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
