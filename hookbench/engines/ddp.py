@@ -40,8 +40,8 @@ from hookbench.core.workload import DDP_HOOK_KEYS, of
 from hookbench.engines.loop import Refused, train, wrapping
 from hookbench.measure.zero2_runs import rank_device
 
-__all__ = ["HOOK_KEYS", "bucket_problems", "by_hand", "described", "hook_of", "options",
-           "reported", "setting_problems", "trajectory", "wrap"]
+__all__ = ["HOOK_KEYS", "bucket_problems", "by_hand", "described", "hook_of", "in_words",
+           "options", "reported", "setting_problems", "trajectory", "wrap"]
 
 # The keys of ``Workload.ddp`` that are not DDP's keyword arguments: the team's communication
 # hook, as ``register_comm_hook(state, hook)`` takes it, and a function of no arguments that
@@ -61,7 +61,7 @@ _REPORTED: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "broadcast_buffers": ("broadcast_buffers", bool),
     "forward_sync_buffers": ("broadcast_buffers", bool),
     # what register_comm_hook logs: the hook's qualified name (``trajectory`` keeps it)
-    "comm_hook": ("comm_hook", lambda hook: hook.__qualname__),
+    "comm_hook": ("comm_hook", lambda hook: in_words(hook)),
 }
 
 
@@ -143,6 +143,7 @@ def _train(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict
             buffers.add(bucket.buffer().untyped_storage().data_ptr())
         return comm_hook(state, bucket)
 
+    counting.__qualname__ = in_words(comm_hook)  # a partial has none for wraps to copy
     ddp.register_comm_hook(state, counting)
     optimizer = _optimizer(spec, model, optimizer_class, kwargs)
     views = bool((spec.ddp or {}).get("gradient_as_bucket_view"))
@@ -251,10 +252,18 @@ def by_hand(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dic
 
 
 def described(settings: dict[str, Any]) -> str:
-    """Settings in words: ``key=value, ...`` (a function by its name)."""
-    return ", ".join(f"{key}={getattr(value, '__qualname__', None) or repr(value)}"
-                     if callable(value) else f"{key}={value!r}"
-                     for key, value in settings.items()) or "nothing"
+    """Settings in words: ``key=value, ...``."""
+    return ", ".join(f"{key}={in_words(value)}" for key, value in settings.items()) or "nothing"
+
+
+def in_words(value: Any) -> str:
+    """A setting's value in words: a function (a comm hook) by its name, a partial by its
+    function's (a repr would name addresses, which differ between the ranks and this process),
+    else its repr."""
+    if isinstance(value, functools.partial):
+        return f"partial({in_words(value.func)})"
+    return (getattr(value, "__qualname__", None) or type(value).__qualname__) if callable(
+        value) else repr(value)
 
 
 def setting_problems(declared: dict[str, Any] | None, rank0: dict[str, Any]) -> list[str]:

@@ -233,8 +233,8 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
                 # for bit to itself applied by hand to the same inputs; DDP without it to the
                 # one process below, and what the hook changes is said
                 by_hand = compare(row["snapshots"], got["ddp"][0]["by_hand"])
-                words.append(f"comm hook {hook.__qualname__}: vs the hook applied by hand to "
-                             f"each rank's accumulated gradients in DDP's buckets: "
+                words.append(f"comm hook {ddp.in_words(hook)}: vs the hook applied by hand "
+                             f"to each rank's accumulated gradients in DDP's buckets: "
                              f"{by_hand.verdict()}")
                 if not by_hand.ok:
                     row["problems"].append(words[-1])

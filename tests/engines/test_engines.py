@@ -204,9 +204,13 @@ def test_ddp_rows_name_each_declared_setting_ddp_does_not_run():
         "declared gradient_as_bucket_view=True, but after backward 1 the gradients are not "
         "views of DDP's buckets"]
     assert "DDP runs static_graph=None" in ddp.setting_problems({"static_graph": True}, ran)[0]
-    # the hook DDP logs registering (register_comm_hook), by its name
+    # the hook DDP logs registering (register_comm_hook), by its name; a partial by its
+    # function's (its repr names addresses, which differ between processes)
     assert ddp.setting_problems({"comm_hook": default_hooks.allreduce_hook}, ran) == [
         "declared comm_hook=allreduce_hook, DDP runs comm_hook=fp16_compress_hook"]
+    assert ddp.described({"comm_hook": functools.partial(default_hooks.fp16_compress_hook),
+                          "comm_state": POWER_SGD}) == (
+        "comm_hook=partial(fp16_compress_hook), comm_state=partial(PowerSGDState)")
 
 
 def test_static_graph_with_accumulation_under_no_sync_is_torchs_failure_in_its_words():
