@@ -11,8 +11,11 @@ then compares such a row like with like (``judge``):
     another failure now           FAILED: "CHANGED failure", recorded words against now's
     not measured now              FAILED, as any recorded row that is not measured
 
-"The same" is the same words with every number masked: a failure that moves from 5.4e-07 to
-5.6e-07 is the same failure; one that names another parameter, row or exception is not. A
+"The same" is the same words with every number masked (inf and nan too), and every source path
+from where torch's own tree starts: a failure that moves from 5.4e-07 to 5.6e-07 is the same
+failure, and so is a C++ assert raised at reducer.cpp:1634 of a build in /pytorch and at
+reducer.cpp:1732 of one in /__w/pytorch/pytorch (pytorch#143580 on 2.9.1 and 2.14.1); one that
+names another parameter, row or exception is not. A
 section whose whole measurement crashed is one failure, keyed ``CRASHED``.
 """
 
@@ -25,7 +28,9 @@ __all__ = ["CRASHED", "KEY", "judge", "listed", "of", "same", "words"]
 
 KEY = "known_failures"  # the baseline's table: section -> row key -> words
 CRASHED = "crashed"  # the key of a section whose measurement as a whole raised
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|\b(inf|nan)\b")
+# a path up to torch's tree (torch/, aten/, c10/): where that build was made
+_BUILD_TREE = re.compile(r"(?<=[\"' (])/[^\"' ]*?/(?=(torch|aten|c10)/)")
 
 
 def words(value: Any) -> str | None:
@@ -63,8 +68,12 @@ def listed(known: dict[str, dict[str, str]]) -> list[str]:
 
 
 def same(recorded: str, now: str) -> bool:
-    """The same failure: the same words, numbers aside."""
-    return _NUMBER.sub("#", recorded) == _NUMBER.sub("#", now)
+    """The same failure: the same words, numbers and build paths aside."""
+    return _masked(recorded) == _masked(now)
+
+
+def _masked(text: str) -> str:
+    return _NUMBER.sub("#", _BUILD_TREE.sub("", text))
 
 
 def judge(recorded: dict[str, str], now: dict[str, Any]) -> list[tuple[str, bool, str]]:
