@@ -14,7 +14,8 @@ then compares such a row like with like (``judge``):
 "The same" is the same words with every number masked (inf and nan too), and every source path
 from where torch's own tree starts: a failure that moves from 5.4e-07 to 5.6e-07 is the same
 failure, and so is a C++ assert raised at reducer.cpp:1634 of a build in /pytorch and at
-reducer.cpp:1732 of one in /__w/pytorch/pytorch (pytorch#143580 on 2.9.1 and 2.14.1); one that
+reducer.cpp:1732 of one in /__w/pytorch/pytorch (pytorch#143580 on 2.9.1 and 2.14.1), or at
+../torch/csrc/distributed/c10d/reducer.cpp:1603 (2.5.1); one that
 names another parameter, row or exception is not. A
 section whose whole measurement crashed is one failure, keyed ``CRASHED``.
 """
@@ -29,8 +30,9 @@ __all__ = ["CRASHED", "KEY", "judge", "listed", "of", "same", "words"]
 KEY = "known_failures"  # the baseline's table: section -> row key -> words
 CRASHED = "crashed"  # the key of a section whose measurement as a whole raised
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|\b(inf|nan)\b")
-# a path up to torch's tree (torch/, aten/, c10/): where that build was made
-_BUILD_TREE = re.compile(r"(?<=[\"' (])/[^\"' ]*?/(?=(torch|aten|c10)/)")
+# a path up to torch's tree (torch/, aten/, c10/): where that build was made ("/pytorch/",
+# "/__w/pytorch/pytorch/", "../" on 2.5.1)
+_BUILD_TREE = re.compile(r"(?<=[\"' (])[^\"' ]*?/(?=(torch|aten|c10)/)")
 
 
 def words(value: Any) -> str | None:
