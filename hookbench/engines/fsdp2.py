@@ -424,8 +424,12 @@ def _reported(model: torch.nn.Module) -> dict[str, Any]:
         state = module._get_fsdp_state() if isinstance(module, fsdp.FSDPModule) else None
         group = getattr(state, "_fsdp_param_group", None)
         if group is not None:
-            policies.add(repr(getattr(group, "mp_policy", None)))
-            offload.update(str(getattr(fp, "offload_to_cpu", None)) for fp in group.fsdp_params)
+            for fp in group.fsdp_params:
+                # each parameter's policy where torch keeps one (2.15 resolves it per
+                # parameter, param_dtype_override_fn, and its groups hold none), else its group's
+                policies.add(repr(getattr(fp, "mp_policy", None)
+                                  or getattr(group, "mp_policy", None)))
+                offload.add(str(getattr(fp, "offload_to_cpu", None)))
     return {"units": sorted(n for n, m in model.named_modules()
                             if n and isinstance(m, fsdp.FSDPModule)),
             "mp_policy": sorted(policies), "offload_to_cpu": sorted(offload)}
