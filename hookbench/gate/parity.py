@@ -22,9 +22,10 @@ from hookbench.measure.parity import (AGAINST_FORLOOP, IMPLEMENTATION_CASES, aga
                                       missing_implementation, stepwise)
 
 # The faults selfcheck runs it under (a few seconds each): the hook faults that stop or double
-# the optimizer in backward's step, and the two that break an implementation's kernel
+# the optimizer in backward's step, and the three that break an implementation's kernel
 FAULTS = ("fires_twice", "stops_after_first_backward", "never_fires",
-          "implementation_flag_ignored", "fused_sgd_skips_low_precision")
+          "implementation_flag_ignored", "kernel_ignores_maximize",
+          "fused_sgd_skips_low_precision")
 measure = None  # live: judged on the installed torch alone
 # The float64 rows hold PyTorch's own foreach test's precision (parity.tolerance); bfloat16 is
 # torchtune's default training dtype (pure, no fp32 masters). No float16 rows: the families'

@@ -19,9 +19,12 @@ DDP hand each gradient bucket to its communication hook twice, or DDP run its de
 ``static_graph``, ``gradient_as_bucket_view`` and ``bucket_cap_mb`` whatever it is given
 (``ddp_drops_settings``), or reduce with its built-in all-reduce whatever comm hook it is
 given (``ddp_ignores_comm_hook``), or DeepSpeed build its ZeRO optimizer with its defaults
-whatever the config says (``deepspeed_drops_settings``, on a rank where deepspeed is), or FSDP2 its defaults for ``mp_policy``, ``reshard_after_forward``
-and ``offload_policy`` (``fsdp2_drops_settings``); ``implementation_flag_ignored``
+whatever the config says (``deepspeed_drops_settings``, on a rank where deepspeed is), or
+FSDP2 its defaults for ``mp_policy``, ``reshard_after_forward`` and ``offload_policy``
+(``fsdp2_drops_settings``); ``implementation_flag_ignored``
 drops an optimizer's ``foreach``/``fused`` choice, so its step runs the for-loop;
+``kernel_ignores_maximize`` makes the foreach and fused kernels descend whatever ``maximize``
+says;
 ``fused_sgd_skips_low_precision`` leaves bf16 and fp16 parameters unchanged by fused SGD
 (pytorch#191763, torch 2.12 and 2.13 on CPU); ``checkpoint_forgets_rng_state`` recomputes
 a checkpointed block on other random numbers than its forward drew.
@@ -146,6 +149,29 @@ def _ignores_implementation_flags(original: Callable) -> Callable:
                 self.param_groups[-1][flag] = None
 
     return add_param_group
+
+
+def _optimizer_kernels() -> list[tuple[object, str]]:
+    # the foreach and fused kernels of the families the parity rows run with maximize=True
+    # (AdamW steps through Adam's from torch 2.8; before, its own)
+    return [(module, name) for module in (importlib.import_module(f"torch.optim.{family}")
+                                          for family in ("sgd", "adam", "adamw", "adagrad",
+                                                         "rmsprop"))
+            for name in vars(module) if name.startswith(("_multi_tensor_", "_fused_"))
+            and callable(vars(module)[name])]
+
+
+def _ignores_maximize(original: Callable) -> Callable:
+    # A kernel that ignores one of the user's options (maximize here): the step descends where
+    # the user asked to ascend, in that implementation only; the for-loop it is held to
+    # still honours it.
+    @functools.wraps(original)
+    def kernel(*args, **kwargs):
+        if "maximize" in kwargs:
+            kwargs["maximize"] = False
+        return original(*args, **kwargs)
+
+    return kernel
 
 
 def _skips_low_precision(original: Callable) -> Callable:
@@ -597,6 +623,7 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "fsdp2_drops_settings": (_fully_shard, _fsdp2_drops_settings),
     "implementation_flag_ignored": (lambda: [(torch.optim.Optimizer, "add_param_group")],
                                     _ignores_implementation_flags),
+    "kernel_ignores_maximize": (_optimizer_kernels, _ignores_maximize),
     "fused_sgd_skips_low_precision": (lambda: [(importlib.import_module("torch.optim.sgd"),
                                                 "_fused_sgd")],
                                       _skips_low_precision),
