@@ -16,7 +16,8 @@ unpack hand back the tensor unpacked before (``unpack_returns_stale``), make act
 keep each offloaded tensor's device copy alive, or compress in lossless mode; engine faults make
 FSDP2 forget the hooks on its shards, the reduce-scatter hand a rank its neighbour's slice, or
 DDP hand each gradient bucket to its communication hook twice, or DDP run its defaults for
-``static_graph``, ``gradient_as_bucket_view`` and ``bucket_cap_mb`` whatever it is given
+``static_graph``, ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``find_unused_parameters``
+and ``broadcast_buffers`` whatever it is given
 (``ddp_drops_settings``), or reduce with its built-in all-reduce whatever comm hook it is
 given (``ddp_ignores_comm_hook``), or DeepSpeed build its ZeRO optimizer with its defaults
 whatever the config says (``deepspeed_drops_settings``, on a rank where deepspeed is), or
@@ -529,7 +530,8 @@ def _drops_settings(original: Callable) -> Callable:
     # numbers may not move, only what DDP reports running and where the gradients live show it.
     @functools.wraps(original)  # the signature a workload's DDP settings are checked against
     def __init__(self, module, *args, **kwargs):
-        for setting in ("static_graph", "gradient_as_bucket_view", "bucket_cap_mb"):
+        for setting in ("static_graph", "gradient_as_bucket_view", "bucket_cap_mb",
+                        "find_unused_parameters", "broadcast_buffers", "forward_sync_buffers"):
             kwargs.pop(setting, None)
         original(self, module, *args, **kwargs)
 
