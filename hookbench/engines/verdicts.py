@@ -200,7 +200,7 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
                                                 fsdp2.unit_runs(workload),
                                                 engine == "fsdp2_in_backward")
                             + fsdp2.setting_problems(workload.fsdp2, ranks[0]))
-            else:  # DeepSpeed's own hooks are its business: its parity and settings are
+            else:  # DeepSpeed's own hooks are its business: its settings and parity are judged
                 problems = deepspeed.setting_problems(workload, ranks[0])
             out[engine] = {"problems": problems + _ranks_agree(ranks),
                            "snapshots": ranks[0]["snapshots"]}
@@ -262,8 +262,8 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
             else:
                 confirmed, by = False, ""
             if confirmed:
-                words[-1] = (f"{plain}vs one process on the ranks' shares: {result.ratio:.3g}x the "
-                             f"tolerance, another legal {_short(workload.parameter_dtype)} "
+                words[-1] = (f"{plain}vs one process on the ranks' shares: {result.ratio:.3g}x "
+                             f"the tolerance, another legal {_short(workload.parameter_dtype)} "
                              f"order, confirmed by FSDP2 ZeRO-2 "
                              f"{by}: this workload's noise floor")
             elif not result.ok:
