@@ -50,12 +50,14 @@ def ranks(tag: str) -> list[int]:
     return [pid for pid, cmdline in tagged(tag).items() if b"spawn_main" in cmdline]
 
 
-def until(condition, what: str, limit: float = 120.0) -> None:
-    """Wait for ``condition()`` (polled), failing after ``limit`` seconds with ``what``."""
+def until(condition, what: str, limit: float = 120.0, left=None) -> None:
+    """Wait for ``condition()`` (polled), failing after ``limit`` seconds with ``what`` and
+    what ``left()`` says is still there."""
     deadline = time.monotonic() + limit
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"not seen in {limit:g} s: {what}")
+            raise AssertionError(f"not seen in {limit:g} s: {what}"
+                                 + (f"; still there: {left()}" if left else ""))
         time.sleep(0.05)
 
 
@@ -82,7 +84,9 @@ class Command:
 
     def finish(self, within: float = GONE_WITHIN) -> tuple[int, str]:
         code = self.proc.wait(timeout=120)
-        until(lambda: not tagged(self.tag), "every process of the command gone", within)
+        until(lambda: not tagged(self.tag), "every process of the command gone", within,
+              left=lambda: {pid: cmd.replace(b"\0", b" ").decode(errors="replace")[:120]
+                            for pid, cmd in tagged(self.tag).items()})
         out, _ = self.proc.communicate(timeout=120)  # the ranks held the pipe open too
         return code, "".join(self.lines) + out
 
