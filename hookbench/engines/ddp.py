@@ -40,15 +40,9 @@ from hookbench.core.workload import DDP_HOOK_KEYS, of
 from hookbench.engines.loop import Refused, train, wrapping
 from hookbench.measure.zero2_runs import rank_device
 
-__all__ = ["HOOK_KEYS", "bucket_problems", "by_hand", "described", "hook_of", "in_words",
+__all__ = ["bucket_problems", "by_hand", "described", "hook_of", "in_words",
            "options", "reported", "setting_problems", "trajectory", "wrap"]
 
-# The keys of ``Workload.ddp`` that are not DDP's keyword arguments: the team's communication
-# hook, as ``register_comm_hook(state, hook)`` takes it, and a function of no arguments that
-# makes its state on each rank once the process group exists (PowerSGD's state holds the group
-# and its error feedback); without one the state is None, the default group, as torch's
-# default hooks take it. Both module-level (or partials of such), so that ranks import them.
-HOOK_KEYS = DDP_HOOK_KEYS
 
 # For each setting a workload may declare: the field of DDP's own report
 # (``DistributedDataParallel._get_ddp_logging_data``, what its C++ reducer was built with) and
@@ -72,7 +66,7 @@ def options(declared: dict[str, Any] | None) -> dict[str, Any]:
     FutureWarning); its successor still syncs the buffers at init, where every rank's are equal
     anyway (the same seed builds the model)."""
     if declared is not None:
-        return {k: v for k, v in declared.items() if k not in HOOK_KEYS}
+        return {k: v for k, v in declared.items() if k not in DDP_HOOK_KEYS}
     sync = ({"forward_sync_buffers": False}
             if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
             else {"broadcast_buffers": False})

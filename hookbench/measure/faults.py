@@ -25,8 +25,7 @@ FSDP2 its defaults for ``mp_policy``, ``reshard_after_forward`` and ``offload_po
 (``fsdp2_drops_settings``); ``implementation_flag_ignored``
 drops an optimizer's ``foreach``/``fused`` choice, so its step runs the for-loop;
 ``kernel_ignores_maximize`` makes the foreach and fused kernels descend whatever ``maximize``
-says;
-``fused_sgd_skips_low_precision`` leaves bf16 and fp16 parameters unchanged by fused SGD
+says; ``fused_sgd_skips_low_precision`` leaves bf16 and fp16 parameters unchanged by fused SGD
 (pytorch#191763, torch 2.12 and 2.13 on CPU); ``checkpoint_forgets_rng_state`` recomputes
 a checkpointed block on other random numbers than its forward drew.
 The fault tests, ``pytest --hookbench-fault NAME``
@@ -506,13 +505,14 @@ def _ignores_comm_hook(original: Callable) -> Callable:
     # run as before, and its result is thrown away: where the hook is torch's allreduce_hook
     # nothing moves, and a compressing hook's row differs from the hook applied by hand.
     def register_comm_hook(self, state, hook):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
         @functools.wraps(hook)
         def builtin(state, bucket):
             kept = bucket.buffer().clone()
             hook(state, bucket).wait()
-            kept.div_(torch.distributed.get_world_size())
-            return torch.distributed.all_reduce(kept, async_op=True).get_future().then(
-                lambda fut: fut.value()[0])
+            bucket.buffer().copy_(kept)  # the gradients as handed over, reduced the built-in way
+            return default_hooks.allreduce_hook(None, bucket)
 
         return original(self, state, builtin)
 
