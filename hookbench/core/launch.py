@@ -33,8 +33,10 @@ import multiprocessing.resource_tracker
 import os
 import pickle
 import signal
+import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -92,19 +94,28 @@ def _done() -> None:
 
 def _worker(index: int, first: int, world: int, port: int, timeout: float, out: str,
             backend: str, fn: Callable[..., Any], args: tuple) -> None:
-    # tied to its parent already, at its first import of hookbench (orphans.tie_if_spawned)
+    # tied to its parent already, at its first import of hookbench (orphans.run)
     rank = first + index  # run: ranks 0..N-1; beside: 1..N-1, the caller being 0
     torch.set_num_threads(1)  # N ranks share this machine's cores
-    _init(backend, port, rank, world, timeout)
     try:
+        _init(backend, port, rank, world, timeout)
         torch.save(fn(rank, world, *args), Path(out) / f"rank{rank}.pt")
         _done()
-    except BaseException:
-        # When it failed, written before the teardown below makes the peers fail too.
+    except Exception:
+        # For RankFailed, and written before the teardown below makes the peers fail too: the
+        # time says which rank failed first. The traceback is pickled, as ProcessContext.join
+        # reads it; it is the caller's to print.
         (Path(out) / f"rank{rank}.failed").write_text(str(time.time_ns()))
-        raise
+        with open(_error_file(out, rank), "wb") as f:
+            pickle.dump(traceback.format_exc(), f)
+        sys.exit(1)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _error_file(out: str, rank: int) -> str:
+    return str(Path(out) / f"rank{rank}.error")
 
 
 def _failures(context: Any, first: int, world_size: int, out: str) -> str:
@@ -141,15 +152,26 @@ def _spawn(first: int, world_size: int, timeout: float, out: str, backend: str,
     # unblocks both when it starts its resource tracker, so that is started first. This
     # process's own handlers stay as they are: a signal to the process goes to any thread that
     # does not block it (torch's pool threads), and one ignored here would be lost for good.
-    # And each rank is told its parent, to tie itself to it before it imports torch.
+    # And each rank is told its parent, to tie itself to it before it imports torch: its entry
+    # point is orphans.run, not torch's (see there).
     multiprocessing.resource_tracker.ensure_running()
     outer, os.environ[orphans.ENV] = os.environ.get(orphans.ENV), str(os.getpid())
     masking = hasattr(signal, "pthread_sigmask")
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, orphans.LEFT_TO_PARENT) if masking else None
+    spawn, processes = multiprocessing.get_context("spawn"), []
     try:
-        return mp.start_processes(
-            _worker, args=(first, world_size, port, timeout, out, backend, fn, args),
-            nprocs=world_size - first, join=False, start_method="spawn")
+        for index in range(world_size - first):
+            work = (_worker, (index, first, world_size, port, timeout, out, backend, fn, args))
+            processes.append(spawn.Process(target=orphans.run, args=(pickle.dumps(work),)))
+            processes[-1].start()
+        return mp.ProcessContext(processes, [_error_file(out, first + index)
+                                             for index in range(len(processes))])
+    except BaseException:
+        for p in processes:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        raise
     finally:
         if outer is None:
             del os.environ[orphans.ENV]

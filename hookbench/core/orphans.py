@@ -8,12 +8,19 @@ importing when its parent got SIGKILL went on for up to 5 s). Tied, it leaves Ct
 to its parent, which stops it, and dies with it, also when the parent is killed with SIGKILL and
 runs no ``finally``: on Linux by the kernel's parent-death signal, elsewhere by a thread that
 watches the parent. Torch-free on purpose.
+
+``run`` is a rank's entry point, in this torch-free module so that unpickling it is what first
+imports hookbench in the new process, and with it the tie. torch's own entry point
+(``torch.multiprocessing.start_processes``' ``_wrap``) does not do for this: unpickling it
+imports torch first (1 to 5 s), and it sets the parent-death signal to SIGINT, which a tied
+rank ignores, so its ranks outlived a parent killed with SIGKILL for as long as their work ran.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -51,3 +58,11 @@ def tie_to(parent: int) -> None:
         threading.Thread(target=watch, daemon=True).start()
     if os.getppid() != parent:  # it died before the signal was asked for
         os._exit(1)
+
+
+def run(payload: bytes) -> None:
+    """A spawned rank's entry point: ``fn(*args)``, ``payload`` being their pickle. The process
+    is tied already, by the import of this module (``tie_if_spawned``); unpickling ``fn`` comes
+    after it, and imports torch."""
+    fn, args = pickle.loads(payload)
+    fn(*args)
