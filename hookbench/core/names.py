@@ -14,7 +14,7 @@ FAULTS = ("fires_twice", "stops_after_first_backward", "never_fires",
           "compression_on_exact_tensor", "fsdp2_forgets_shard_hooks",
           "reduce_scatter_wrong_slice", "ddp_bucket_reduced_twice", "ddp_drops_settings",
           "ddp_ignores_comm_hook", "deepspeed_drops_settings", "fsdp2_drops_settings",
-          "implementation_flag_ignored", "kernel_ignores_maximize",
+          "implementation_flag_ignored", "capturable_ignored", "kernel_ignores_maximize",
           "fused_sgd_skips_low_precision", "checkpoint_forgets_rng_state")
 # Faults of the DeepSpeed row, which the gate leaves out (deepspeed is an optional install):
 # ``selfcheck`` does not run them, and the peers tier shows that they are caught.

@@ -178,6 +178,14 @@ class Workload:
         if not isinstance(kwargs, dict):
             raise TypeError(f"Workload {self.name!r}: the optimizer's options must be a dict, "
                             f"got {type(kwargs).__name__}")
+        if kwargs.get("differentiable"):
+            # It steps in grad mode, to differentiate through the step (meta-learning on
+            # tensors that are not leaves): on a module's parameters, leaves that require grad,
+            # torch's in-place update raises at the first step, on every strategy alike.
+            raise ValueError(f"Workload {self.name!r}: the optimizer's differentiable=True "
+                             f"steps in grad mode, and torch cannot update a module's "
+                             f"parameters in place there (\"a leaf Variable that requires grad "
+                             f"is being used in an in-place operation\"); leave it out")
         if self.precision not in PRECISIONS:
             raise ValueError(f"Workload {self.name!r}: precision must be one of {PRECISIONS}, "
                              f"got {self.precision!r}")

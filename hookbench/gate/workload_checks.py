@@ -78,8 +78,9 @@ from hookbench.engines.loop import ACCUMULATION, Refused
 from hookbench.engines.memory import rank_peak
 from hookbench.measure import zero2_runs
 from hookbench.measure.memory import MemoryResult, measure_or_fall_back
-from hookbench.measure.parity import (AGAINST_FORLOOP, Tolerance, accepts, compare, stepwise,
-                                      tolerance, trajectory, without_implementation)
+from hookbench.measure.parity import (AGAINST_FORLOOP, Tolerance, accepts, compare,
+                                      refused_here, stepwise, tolerance, trajectory,
+                                      without_implementation)
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
 __all__ = ["BATCHES", "DESIGNED", "MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS",
@@ -95,7 +96,8 @@ STRATEGIES = ("forloop", "foreach", "in_backward", "in_backward_grouped",
 _REFERENCE = {"foreach": ("forloop", False), "in_backward": ("forloop", True),
               "in_backward_grouped": ("forloop", True),
               "in_backward_grouped_foreach": ("foreach", False),
-              "in_backward_bucketed": ("foreach", False), "fused": ("forloop", False)}
+              "in_backward_bucketed": ("foreach", False), "fused": ("forloop", False),
+              "capturable": ("forloop", False)}
 # The strategies that need the optimizer's foreach implementation; with a class that has none
 # (an optimizer outside torch.optim) they do not apply, and the bucketed mode steps each bucket
 # with the class's for-loop, bit for bit the for-loop step.
@@ -134,11 +136,11 @@ def not_applicable(workload: Workload, strategy: str) -> str | None:
 
 
 def strategies(workload: Workload) -> tuple[str, ...]:
-    """``STRATEGIES``, and "fused" after "foreach" where the workload's options name it."""
-    if not workload.optimizer[1].get("fused"):
-        return STRATEGIES
+    """``STRATEGIES``, and after "foreach" "fused" and "capturable" where the workload's
+    options name them."""
+    given = tuple(flag for flag in ("fused", "capturable") if workload.optimizer[1].get(flag))
     at = STRATEGIES.index("foreach") + 1
-    return (*STRATEGIES[:at], "fused", *STRATEGIES[at:])
+    return (*STRATEGIES[:at], *given, *STRATEGIES[at:])
 
 
 def _reference(workload: Workload, strategy: str) -> tuple[str, bool] | None:
@@ -232,13 +234,17 @@ def trajectories(workload: Workload) -> dict[str, dict[str, Any]]:
     out = {}
     # The user's implementation as given: foreach=True is the foreach row already; fused=True
     # gets a row of its own (its kernel checked to run, ``parity.implementation_ran``), before
-    # the bucketed mode, which steps with it and is compared with it.
+    # the bucketed mode, which steps with it and is compared with it. capturable=True too:
+    # the user's options exactly, or torch's refusal of them on this device in its words.
     for strategy in strategies(workload):
         def run(strategy: str = strategy) -> dict[str, Any]:
             if not_applicable(workload, strategy):
                 return {"not_applicable": not_applicable(workload, strategy)}
             if refusal(workload, strategy):
                 return _refused(workload, strategy)
+            refused = strategy == "capturable" and refused_here(cls, kwargs)
+            if refused:
+                return {"torch_refuses": refused}
             runs[strategy] = trajectory(workload, cls, kwargs, strategy, steps=STEPS)
             # On another CPU the bits may change; then the final parameters must stay within
             # what two implementations of the step may differ by.

@@ -24,6 +24,8 @@ whatever the config says (``deepspeed_drops_settings``, on a rank where deepspee
 FSDP2 its defaults for ``mp_policy``, ``reshard_after_forward`` and ``offload_policy``
 (``fsdp2_drops_settings``); ``implementation_flag_ignored``
 drops an optimizer's ``foreach``/``fused`` choice, so its step runs the for-loop;
+``capturable_ignored`` drops ``capturable=True``, so the step reads its count back to the host
+(and torch no longer refuses it on the CPU);
 ``kernel_ignores_maximize`` makes the foreach and fused kernels descend whatever ``maximize``
 says; ``fused_sgd_skips_low_precision`` leaves bf16 and fp16 parameters unchanged by fused SGD
 (pytorch#191763, torch 2.12 and 2.13 on CPU); ``checkpoint_forgets_rng_state`` recomputes
@@ -138,17 +140,20 @@ def _optimizer_arithmetic_changed(original: Callable) -> Callable:
     return adam
 
 
-def _ignores_implementation_flags(original: Callable) -> Callable:
-    # Every param group's foreach and fused are dropped to None once added, as a torch that
-    # ignored the user's choice would: the step then runs torch's default (the for-loop on
-    # CPU), the arithmetic of the reference it is compared with.
-    def add_param_group(self, param_group):
-        original(self, param_group)
-        for flag in ("foreach", "fused"):
-            if self.param_groups[-1].get(flag):
-                self.param_groups[-1][flag] = None
+def _ignores(*flags: str) -> Callable[[Callable], Callable]:
+    # Every param group's ``flags`` are dropped to None once added, as a torch that ignored the
+    # user's choice would: the step then runs torch's default (the for-loop on CPU, with the
+    # step count read back to the host), the arithmetic of the reference it is compared with.
+    def breaks(original: Callable) -> Callable:
+        def add_param_group(self, param_group):
+            original(self, param_group)
+            for flag in flags:
+                if self.param_groups[-1].get(flag):
+                    self.param_groups[-1][flag] = None
 
-    return add_param_group
+        return add_param_group
+
+    return breaks
 
 
 def _optimizer_kernels() -> list[tuple[object, str]]:
@@ -624,7 +629,9 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
     "deepspeed_drops_settings": (_deepspeed_initialize, _deepspeed_drops_settings),
     "fsdp2_drops_settings": (_fully_shard, _fsdp2_drops_settings),
     "implementation_flag_ignored": (lambda: [(torch.optim.Optimizer, "add_param_group")],
-                                    _ignores_implementation_flags),
+                                    _ignores("foreach", "fused")),
+    "capturable_ignored": (lambda: [(torch.optim.Optimizer, "add_param_group")],
+                           _ignores("capturable")),
     "kernel_ignores_maximize": (_optimizer_kernels, _ignores_maximize),
     "fused_sgd_skips_low_precision": (lambda: [(importlib.import_module("torch.optim.sgd"),
                                                 "_fused_sgd")],

@@ -38,6 +38,7 @@ from hookbench.models.zoo import TinySpec
 __all__ = [
     "AGAINST_FORLOOP",
     "FAMILIES",
+    "DEVICE_FLAGS",
     "IMPLEMENTATION_FLAGS",
     "IMPLEMENTATION_CASES",
     "OPTION_VARIANTS",
@@ -57,6 +58,7 @@ __all__ = [
     "start",
     "stepwise",
     "tolerance",
+    "refused_here",
     "training",
     "trajectory",
     "without_implementation",
@@ -77,6 +79,7 @@ STRATEGIES = (
     "forloop",
     "foreach",
     "fused",
+    "capturable",  # the user's options as given, capturable=True among them
     "in_backward",
     "in_backward_grouped",
     "in_backward_grouped_foreach",
@@ -109,18 +112,53 @@ _TOLERANCES = {
 
 def tolerance(strategy: str, dtype: torch.dtype) -> Tolerance | None:
     """The tolerance against the for-loop for ``strategy`` in ``dtype``; None means bit-exact."""
-    if strategy in ("in_backward_grouped_foreach", "in_backward_bucketed"):
+    # capturable computes the bias corrections from a tensor step count, in other roundings
+    # than the for-loop's Python floats: a reordering, as foreach's
+    if strategy in ("in_backward_grouped_foreach", "in_backward_bucketed", "capturable"):
         strategy = "foreach"
     return _TOLERANCES.get((strategy, dtype))
 
 
 # The options that choose how a torch optimizer's step is computed, not what it computes.
 IMPLEMENTATION_FLAGS = ("foreach", "fused")
+# Options torch takes only on some devices. capturable=True keeps the step count on the
+# parameter's device, so that the step reads nothing back to the host and a CUDA graph can
+# capture it; on the CPU torch refuses it at the first step (an AssertionError naming the
+# devices it supports). Its own "capturable" row runs it as given (``refused_here`` where torch
+# refuses it); every other row runs without it.
+DEVICE_FLAGS = ("capturable",)
 
 
 def without_implementation(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """The optimizer options less an implementation flag (``IMPLEMENTATION_FLAGS``)."""
-    return {k: v for k, v in kwargs.items() if k not in IMPLEMENTATION_FLAGS}
+    """The optimizer options less an implementation flag (``IMPLEMENTATION_FLAGS``) and an
+    option torch takes only on some devices (``DEVICE_FLAGS``)."""
+    return {k: v for k, v in kwargs.items() if k not in IMPLEMENTATION_FLAGS + DEVICE_FLAGS}
+
+
+def refused_here(cls: type[torch.optim.Optimizer], kwargs: dict[str, Any],
+                 device: str | torch.device = "cpu") -> str | None:
+    """torch's words where it refuses ``kwargs``' device-bound options (``DEVICE_FLAGS``) on
+    ``device``, measured: one step of ``cls`` with ``kwargs`` as given on a one-element
+    parameter there. None where it takes them; what it raises about anything else propagates."""
+    p = torch.nn.Parameter(torch.zeros(1, device=device))
+    p.grad = torch.ones(1, device=device)
+    try:
+        cls([p], **kwargs).step()
+    except (AssertionError, RuntimeError, ValueError) as e:
+        if any(flag in str(e) for flag in DEVICE_FLAGS if kwargs.get(flag)):
+            return f"{type(e).__name__}: {e}"
+        raise
+    return None
+
+
+def _captured(names: set[str]) -> None:
+    """Raise unless a capturable step, which dispatched the aten operators ``names``, read
+    nothing back to the host: capturable's promise, and what a torch that ignored it breaks
+    (the step count read with ``.item()`` for the bias corrections)."""
+    if "_local_scalar_dense" in names:
+        raise RuntimeError("the capturable step read a value back to the host "
+                           "(aten._local_scalar_dense): torch did not run the capturable step "
+                           "it was asked for")
 
 # What each implementation's step dispatches: torch's kernels for it are named so
 # (aten._fused_adam_, aten._foreach_mul_, ...); the for-loop dispatches neither.
@@ -301,7 +339,7 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
     first = [True]
 
     def stepped(opt: Any, clip_norm: Callable[[], Any] | None = None,
-                implementation: str | None = None) -> None:
+                implementation: str | None = None, capturable: bool = False) -> None:
         if clip is not None:
             if scaler is not None:
                 scaler.unscale_(opt)  # clip the true gradients, as torch's AMP recipe does
@@ -311,7 +349,7 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
         # steps). Not a step the GradScaler skipped (an inf in the scaled gradients: no
         # optimizer step, no kernel), and not sparse gradients, which torch steps with the
         # for-loop whatever the flag (Adagrad's and SGD's foreach paths hand them on).
-        kernels = (_Kernels() if first[0] and implementation and not any(
+        kernels = (_Kernels() if first[0] and (implementation or capturable) and not any(
             p.grad is not None and p.grad.is_sparse for p in every) else None)
         scale = None if scaler is None else scaler.get_scale()
         with kernels or contextlib.nullcontext():
@@ -323,7 +361,10 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
             scaler.update()
         if kernels is not None and (scaler is None or scaler.get_scale() >= scale):
             first[0] = False
-            _ran(implementation, kernels.names)
+            if implementation:
+                _ran(implementation, kernels.names)
+            if capturable and scaler is None:  # a GradScaler reads its inf check back itself
+                _captured(kernels.names)
         opt.zero_grad()  # set_to_none, torch's default and Zero2's only behaviour
 
     every = [p for p in model.parameters()]
@@ -331,20 +372,26 @@ def start(strategy: str, model: torch.nn.Module, cls: type, kwargs: dict,
     # its for-loop: it is given no flag. foreach and fused there raise its own TypeError.
     loop = {"foreach": False} if accepts(cls, "foreach") else {}
     options = without_implementation(kwargs)
-    if strategy in ("forloop", "foreach", "fused"):
-        impl = {"forloop": loop, "foreach": {"foreach": True},
-                "fused": {"fused": True}}[strategy]
+    if strategy in ("forloop", "foreach", "fused", "capturable"):
+        # capturable: the user's flags as given, the implementation torch then runs checked
+        # where they name one
+        given = {k: v for k, v in kwargs.items() if k in IMPLEMENTATION_FLAGS + DEVICE_FLAGS}
+        impl = {"forloop": loop, "foreach": {"foreach": True}, "fused": {"fused": True},
+                "capturable": {**given, "capturable": True}}[strategy]
+        ran = ("fused" if impl.get("fused") else "foreach" if impl.get("foreach")
+               else "forloop" if "foreach" in impl else None)
         opt = cls(every if params is None else params, **{**options, **impl})
         clip_norm = lambda: torch.nn.utils.clip_grad_norm_(  # noqa: E731
-            every, clip, foreach=strategy != "forloop")
-        return Started(lambda: stepped(opt, clip_norm, strategy if impl else None),
+            every, clip, foreach=ran in ("foreach", "fused"))
+        return Started(lambda: stepped(opt, clip_norm, ran, strategy == "capturable"),
                        lambda p: opt.state.get(p, {}), nothing, every, scheduled=opt)
     if strategy.startswith("in_backward"):
         bucketed = strategy == "in_backward_bucketed"
         cap = kwargs.get("bucket_cap_mb", BUCKET_CAP_MB) if bucketed else None  # kwargs may
         options.pop("bucket_cap_mb", None)  # carry the cap
         if bucketed:  # the user's implementation flag, if any, steps each bucket
-            options = {k: v for k, v in kwargs.items() if k != "bucket_cap_mb"}
+            options = {k: v for k, v in kwargs.items()
+                       if k != "bucket_cap_mb" and k not in DEVICE_FLAGS}
         implementation = ({} if bucketed and set(IMPLEMENTATION_FLAGS) & set(options)
                           else {"foreach": True} if strategy.endswith("foreach")
                           or (bucketed and loop) else loop)

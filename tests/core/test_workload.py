@@ -103,6 +103,8 @@ def _tiny(**changes) -> Workload:
     ({"optimizer": torch.optim.Adam}, TypeError, "(class, kwargs) pair"),
     ({"optimizer": (nn.Linear, {})}, TypeError, "torch.optim.Optimizer class"),
     ({"optimizer": (torch.optim.Adam, [])}, TypeError, "options must be a dict"),
+    ({"optimizer": (torch.optim.SGD, {"lr": 0.1, "differentiable": True})}, ValueError,
+     "differentiable=True steps in grad mode"),
     ({"precision": "fp8"}, ValueError,
      "precision must be one of ('fp32', 'bf16', 'fp16', 'bf16-true', 'fp16-true')"),
     ({"checkpointing": "all"}, ValueError, "checkpointing must be one of"),
@@ -112,6 +114,18 @@ def _tiny(**changes) -> Workload:
 def test_a_malformed_workload_is_refused_in_words(changes, error, words):
     with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
         _tiny(**changes)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW])
+def test_torch_cannot_step_a_modules_parameters_with_differentiable(cls):
+    # Why the workload refuses differentiable=True: a torch that can would need it run instead.
+    model = nn.Linear(2, 2)
+    model(torch.ones(1, 2)).sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="a leaf Variable that requires grad is being used "
+                                           "in an in-place operation"):
+        cls(model.parameters(), lr=0.1, differentiable=True).step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 def test_build_and_data_are_deterministic_and_leave_the_rng_alone():

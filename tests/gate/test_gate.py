@@ -511,6 +511,7 @@ CAUGHT_BY = {
     "deepspeed_drops_settings": set(),  # the DeepSpeed row is outside the gate (PEER_FAULTS)
     "fsdp2_drops_settings": {"engines"},
     "implementation_flag_ignored": {"parity", "numerics"},
+    "capturable_ignored": {"parity"},
     "kernel_ignores_maximize": {"parity"},
     "fused_sgd_skips_low_precision": {"parity"},
     "checkpoint_forgets_rng_state": {"offload"},

@@ -140,6 +140,8 @@ SUITE_UNDER_FAULT = {
                                     "lossless_offload_trains_bit_for_bit"),
     "implementation_flag_ignored": ("tests/measure/test_optimizer_implementations.py",
                                     "runs_as_given or follows_the_forloop"),
+    "capturable_ignored": ("tests/measure/test_optimizer_implementations.py",
+                           "capturable_runs_as_given"),
     "kernel_ignores_maximize": ("tests/measure/test_optimizer_implementations.py",
                                 "follows_the_forloop_step"),
     "fused_sgd_skips_low_precision": ("tests/measure/test_pure_precision.py",

@@ -161,3 +161,41 @@ def test_a_step_the_grad_scaler_skips_is_no_missing_kernel():
     for implementation in ("foreach", "fused"):
         snapshots = trajectory(workload, torch.optim.SGD, {"lr": 0.1}, implementation, steps=2)
         assert all(torch.equal(snapshots[-1][n], p) for n, p in initial.items())
+
+
+# -- capturable=True: run as given, or torch's refusal of it on this device (issue 46) ----------
+
+CAPTURABLE = {"adam_capturable": (torch.optim.Adam, dict(lr=1e-2, capturable=True)),
+              "adamw_fused_capturable": (torch.optim.AdamW,
+                                         dict(lr=1e-2, weight_decay=1e-2, fused=True,
+                                              capturable=True))}
+
+
+def _capturable(name: str) -> Workload:
+    return TinySpec(depth=3, width=8).workload().replace(name=name, optimizer=CAPTURABLE[name])
+
+
+def test_capturable_runs_as_given_where_torch_takes_it_and_is_its_refusal_where_not():
+    # On the CPU torch refuses capturable Adam (its step count must be on a device it can
+    # capture), and takes it with the fused kernel; the other rows run without the flag.
+    rows = {**workload_checks.trajectories(_capturable("adam_capturable")),
+            **workload_checks.trajectories(_capturable("adamw_fused_capturable"))}
+    assert list(rows)[:4] == ["adam_capturable/forloop", "adam_capturable/foreach",
+                              "adam_capturable/capturable", "adam_capturable/in_backward"]
+    assert rows["adam_capturable/capturable"] == {"torch_refuses": (
+        "AssertionError: If capturable=True, params and state_steps must be on supported "
+        "devices: ['cuda', 'xpu', 'hpu', 'privateuseone', 'xla'].")}
+    assert rows["adamw_fused_capturable/capturable"]["parity"].startswith("vs forloop: ok")
+    assert not [(k, r) for k, r in rows.items() if r.get("problems") or "error" in r]
+
+
+def test_a_capturable_flag_torch_ignores_fails_its_row():
+    # Ignored, capturable Adam steps as the for-loop does, reading its step count back with
+    # .item(): no longer refused on the CPU, and caught by what capturable promises.
+    with inject("capturable_ignored"):
+        rows = workload_checks.trajectories(_capturable("adam_capturable"))
+    assert rows["adam_capturable/capturable"]["error"] == (
+        "RuntimeError: the capturable step read a value back to the host "
+        "(aten._local_scalar_dense): torch did not run the capturable step it was asked for")
+    assert not [k for k, r in rows.items() if k != "adam_capturable/capturable" and
+                (r.get("problems") or "error" in r)]
