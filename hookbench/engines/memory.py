@@ -191,7 +191,12 @@ def _run(workload: Workload, setting: str, world: int, fake: bool) -> dict[str, 
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     settings = fsdp2.SETTINGS[setting]
-    param_dtype = torch.bfloat16 if workload.precision == "bf16" else None
+    # The workload's declared units, policy and offload (Workload.fsdp2); the rows' reshard
+    # choice stays theirs, the axis they compare (zero2: none, zero3 and in_backward: after
+    # forward).
+    declared = {k: v for k, v in (workload.fsdp2 or {}).items() if k != "reshard_after_forward"}
+    mixed = fsdp2.mixed_dtypes(workload)
+    param_dtype = mixed[0] if mixed else None
     cls, kwargs = workload.optimizer
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     with contextlib.ExitStack() as stack:
@@ -203,10 +208,10 @@ def _run(workload: Workload, setting: str, world: int, fake: bool) -> dict[str, 
         else:
             model = workload.build()
         keep_whole = fsdp2.called_outside(workload, fake)
-        blocks = fsdp2.units(model, keep_whole)
+        blocks = fsdp2.chosen_units(model, declared, keep_whole)
         element = workload.parameter_dtype.itemsize  # pure bf16: 2; fp32 and mixed: 4
         predicted, at_end = _predicted(
-            model, blocks, world, setting, 2 if param_dtype else element,
+            model, blocks, world, setting, param_dtype.itemsize if param_dtype else element,
             state_bytes(cls, kwargs, workload.parameter_dtype), _gradients(workload, fake),
             element)
         if fake:
@@ -214,7 +219,7 @@ def _run(workload: Workload, setting: str, world: int, fake: bool) -> dict[str, 
             materialize(model)
         stack.callback(fsdp2.remove_hooks, model)  # also those of units sharded before a refusal
         wrapping("fully_shard", lambda: fsdp2.shard(model, mesh, settings["reshard_after_forward"],
-                                                    param_dtype, keep_whole))
+                                                    param_dtype, keep_whole, declared))
         params = workload.optimizer_params(model)
         params = list(model.parameters()) if params is None else params
         if settings["in_backward"]:

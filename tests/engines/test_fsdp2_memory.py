@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import re
 import types
 
 import pytest
@@ -173,3 +174,26 @@ def test_the_bytes_do_not_depend_on_when_python_collects_cycles(gc_threshold, mo
     monkeypatch.setattr(engine_memory, "collection_paused", contextlib.nullcontext)
     monkeypatch.setattr(engine_memory, "gc", types.SimpleNamespace(collect=lambda: 0))
     assert rank_peak(CYCLES, "zero2")["left"] >= 256 * 1024
+
+
+@pytest.mark.slow  # 12 s; the default tier fails the fault on the engine rows
+def test_the_rows_shard_as_the_workload_declares_and_a_dropped_policy_fails_them():
+    # Workload.fsdp2's units and MixedPrecisionPolicy (issue 46), the rows' reshard axis kept:
+    # bf16 gathered parameters halve the gathered-parameter term and lower the peak, within
+    # the bound computed for them; one unit gathers the four blocks at once.
+    from hookbench.engines import fsdp2
+    from hookbench.measure.faults import inject
+
+    policy = fsdp2.api().MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                              reduce_dtype=torch.float32)
+    plain = rank_peak(TRANSFORMER, "zero3")
+    low = rank_peak(TRANSFORMER.replace(fsdp2={"mp_policy": policy}), "zero3")
+    one = rank_peak(TRANSFORMER.replace(fsdp2={"units": re.compile(r"blocks")}), "zero3")
+    assert not plain["problems"] and not low["problems"] and not one["problems"]
+    assert low["terms"]["gathered parameters"] * 2 == plain["terms"]["gathered parameters"]
+    assert low["peak"] < plain["peak"]
+    assert one["terms"]["gathered parameters"] > plain["terms"]["gathered parameters"]
+    # FSDP2 that drops the declared policy gathers fp32 again: above the bf16 row's bound
+    with inject("fsdp2_drops_settings"):
+        dropped = rank_peak(TRANSFORMER.replace(fsdp2={"mp_policy": policy}), "zero3")
+    assert any("rank 0 of 8: peak" in p for p in dropped["problems"]), dropped["problems"]
