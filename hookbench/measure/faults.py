@@ -21,8 +21,8 @@ and ``broadcast_buffers`` whatever it is given
 (``ddp_drops_settings``), or reduce with its built-in all-reduce whatever comm hook it is
 given (``ddp_ignores_comm_hook``), or DeepSpeed build its ZeRO optimizer with its defaults
 whatever the config says (``deepspeed_drops_settings``, on a rank where deepspeed is), or
-FSDP2 its defaults for ``mp_policy``, ``reshard_after_forward`` and ``offload_policy``
-(``fsdp2_drops_settings``); ``implementation_flag_ignored``
+FSDP2 its defaults for ``mp_policy``, ``reshard_after_forward`` and ``offload_policy`` and
+merge the units after a model's first into its root (``fsdp2_drops_settings``); ``implementation_flag_ignored``
 drops an optimizer's ``foreach``/``fused`` choice, so its step runs the for-loop;
 ``capturable_ignored`` drops ``capturable=True``, so the step reads its count back to the host
 (and torch no longer refuses it on the CPU);
@@ -552,11 +552,24 @@ def _fully_shard() -> list[tuple[object, str]]:
 
 def _fsdp2_drops_settings(original: Callable) -> Callable:
     # FSDP2 shards with its defaults (reshard after forward, no policy, no offload) whatever it
-    # is given: the units' parameters in and after their forward show it, and the state.
+    # is given, and merges the units it is given into their root: after a model's first unit,
+    # fully_shard does nothing until the root's call (the module that holds one given before),
+    # so their parameters are the root's. The units' parameters in and after their forward
+    # show it, and the state.
+    given: list[torch.nn.Module] = []
+
     @functools.wraps(original)
     def fully_shard(module, *args, **kwargs):
         for setting in ("mp_policy", "reshard_after_forward", "offload_policy"):
             kwargs.pop(setting, None)
+        if isinstance(module, torch.nn.Module):
+            root = any(m is g for m in module.modules() for g in given)
+            if given and not root:
+                return module  # a unit after the first: ignored
+            if root:
+                given.clear()  # the model is sharded; the next call starts another
+            else:
+                given.append(module)
         return original(module, *args, **kwargs)
 
     return fully_shard

@@ -161,8 +161,9 @@ def test_the_optimizer_in_backward_under_fsdp2_holds_fewer_shard_gradients(rows)
                                        "hand to each rank's accumulated gradients in DDP's "
                                        "buckets: MISMATCH"),
     # FSDP2 sharding with its defaults: the units' parameters stay sharded after forward
-    # (each declared setting its own problem)
+    # (each declared setting its own problem), and the units after the first are the root's
     ("fsdp2_drops_settings", {"fsdp2_zero2", "fsdp2_zero3", "fsdp2_in_backward"}, (
+        "declared units ['blocks.0', 'blocks.1']..., FSDP2 shards ['blocks.0']...",
         "declared reshard_after_forward=False, the units' parameters after forward were sharded",
         "declared CPUOffloadPolicy(pin_memory=False), FSDP2's shards offload_to_cpu=['False']",
         "declared MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32")),
