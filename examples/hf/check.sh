@@ -58,9 +58,11 @@ done
 # the engine faults: each fails the engines' rows of the workloads it is gated on, two of the
 # four FSDP2 and DDP train each, so that every one of the four meets a fault (the default
 # tier breaks each engine on a model with dropout: tests/engines/test_engines.py); and DDP
-# running its defaults fails the Accelerate recipe, which declares its own settings
+# running its defaults, or dropping its comm hook, fails the Accelerate recipe, which declares
+# its own settings and hook
 for case in "reduce_scatter_wrong_slice GPT2 MIXTRAL" "fsdp2_forgets_shard_hooks VIT RESNET" \
-        "ddp_bucket_reduced_twice MIXTRAL VIT" "ddp_drops_settings GPT2_ACCELERATE_DDP"; do
+        "ddp_bucket_reduced_twice MIXTRAL VIT" "ddp_drops_settings GPT2_ACCELERATE_DDP" \
+        "ddp_ignores_comm_hook GPT2_ACCELERATE_DDP"; do
     set -- $case
     fault=$1
     shift

@@ -38,8 +38,11 @@ Two recipes, as their communities write them:
     gpt2-accelerate-ddp  GPT-2 under DDP as Accelerate users configure it
                          (``DistributedDataParallelKwargs``): ``gradient_as_bucket_view=True``
                          (no second copy of the gradients), ``find_unused_parameters=False``
-                         (every parameter is used), 25 MB buckets; each held to what DDP
-                         reports running
+                         (every parameter is used), 25 MB buckets, and the bf16 gradient
+                         compression hook (``comm_hook=DDPCommunicationHookType.BF16``,
+                         which registers torch's ``bf16_compress_hook``); each held to what
+                         DDP reports running, and DDP with the hook bit for bit to the hook
+                         applied by hand
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import re
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from hookbench import Workload
 
@@ -230,7 +234,8 @@ LLAMA_PURE_BF16 = Workload("llama-pure-bf16", model=llama, batch=tokens, loss=lm
 
 GPT2_ACCELERATE_DDP = GPT2.replace(
     name="gpt2-accelerate-ddp",
-    ddp={"find_unused_parameters": False, "gradient_as_bucket_view": True, "bucket_cap_mb": 25})
+    ddp={"find_unused_parameters": False, "gradient_as_bucket_view": True, "bucket_cap_mb": 25,
+         "comm_hook": default_hooks.bf16_compress_hook})
 
 WORKLOADS = [GPT2, LLAMA_BF16, VIT, RESNET, OPT_LAYERDROP, MIXTRAL, T5_ADAFACTOR,
              LLAMA_PURE_BF16, GPT2_ACCELERATE_DDP]
