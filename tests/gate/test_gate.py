@@ -23,7 +23,7 @@ from hookbench.gate import baselines, checks, known_failures, memory, numerics, 
 from hookbench.gate.checks import Run, Verdict
 from hookbench.measure.faults import FAULTS, inject
 from hookbench.measure.memory import format_bytes
-from hookbench.measure.parity import IMPLEMENTATION_CASES
+from hookbench.measure.parity import FAMILIES, IMPLEMENTATION_CASES, accepts
 from hookbench.report import render
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -459,7 +459,9 @@ def test_gate_parity_compares_each_implementation_with_the_forloop_and_fails_a_b
     out = capsys.readouterr().out
     rows = [(line[0], *line[2:].split(maxsplit=1)) for line in out.splitlines()
             if " step vs for-loop step" in line]  # mark, case, comparison and verdict
-    assert len(rows) == len(IMPLEMENTATION_CASES) * 2 * len(parity.IMPLEMENTATION_DTYPES)
+    capturable = [f for f, (cls, _) in FAMILIES.items() if accepts(cls, "capturable")]
+    assert len(rows) == (len(IMPLEMENTATION_CASES) * 2 * len(parity.IMPLEMENTATION_DTYPES)
+                         + len(capturable))
     assert {(case, rest.split("  ")[0]) for mark, case, rest in rows if mark == "!"} == {
         (case, f"foreach step vs for-loop step{dtype}") for case in IMPLEMENTATION_CASES
         if case.startswith("adam") for dtype in ("", ", float64")}, out
