@@ -22,8 +22,9 @@ and ``broadcast_buffers`` whatever it is given
 given (``ddp_ignores_comm_hook``), or DeepSpeed build its ZeRO optimizer with its defaults
 whatever the config says (``deepspeed_drops_settings``, on a rank where deepspeed is), or
 FSDP2 its defaults for ``mp_policy``, ``reshard_after_forward`` and ``offload_policy`` and
-merge the units after a model's first into its root (``fsdp2_drops_settings``); ``implementation_flag_ignored``
-drops an optimizer's ``foreach``/``fused`` choice, so its step runs the for-loop;
+merge the units after a model's first into its root (``fsdp2_drops_settings``);
+``implementation_flag_ignored`` drops an optimizer's ``foreach``/``fused`` choice, so its step
+runs the for-loop;
 ``capturable_ignored`` drops ``capturable=True``, so the step reads its count back to the host
 (and torch no longer refuses it on the CPU);
 ``kernel_ignores_maximize`` makes the foreach and fused kernels descend whatever ``maximize``

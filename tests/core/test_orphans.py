@@ -111,7 +111,8 @@ def _alive(pid: int) -> bool:
 def test_spawned_ranks_end_with_a_parent_killed_with_sigkill(tmp_path):
     started = tmp_path / "started"
     started.mkdir()
-    parent, ranks = _parent(tmp_path, f"launch.run(ranks.wait, 2, {str(started)!r}, timeout=300)"), []
+    ranks: list[int] = []
+    parent = _parent(tmp_path, f"launch.run(ranks.wait, 2, {str(started)!r}, timeout=300)")
     try:
         deadline = time.monotonic() + 120
         while len(list(started.iterdir())) < 2:  # both ranks in their function
