@@ -167,10 +167,7 @@ def _spawn(first: int, world_size: int, timeout: float, out: str, backend: str,
         return mp.ProcessContext(processes, [_error_file(out, first + index)
                                              for index in range(len(processes))])
     except BaseException:
-        for p in processes:
-            if p.is_alive():
-                p.kill()
-            p.join()
+        _stop(processes)
         raise
     finally:
         if outer is None:
@@ -197,10 +194,17 @@ def _join(context: Any, first: int, world_size: int, timeout: float, out: str) -
         raise RankFailed(f"rank {first + e.error_index} of {world_size} exited with code "
                          f"{e.exit_code}") from None
     finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
-            p.join()
+        _stop(context.processes)
+
+
+def _stop(processes: list) -> None:
+    """Kill and reap each started process still running."""
+    for p in processes:
+        if p.pid is None:  # interrupted while it was being started: no process of ours
+            continue
+        if p.is_alive():
+            p.kill()
+        p.join()
 
 
 def run(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
@@ -230,6 +234,7 @@ def beside(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
     host = _host(timeout)
     with tempfile.TemporaryDirectory() as out:
         context = _spawn(1, world_size, timeout, out, backend, fn, args, host.port)
+        interrupted = False
         try:
             _init(backend, host.port, 0, world_size, timeout, host)
             try:
@@ -237,8 +242,17 @@ def beside(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
                 _done()
             finally:
                 dist.destroy_process_group()
+        except (KeyboardInterrupt, SystemExit):
+            # Ctrl-C or SIGTERM (hookbench.cli.interrupts): nothing to wait for. A rank waiting
+            # on this one in a collective, or not yet in the group, would end only at its timeout,
+            # and a rank's failure would replace the interrupt.
+            interrupted = True
+            raise
         finally:
-            _join(context, 1, world_size, timeout, out)
+            if interrupted:
+                _stop(context.processes)
+            else:
+                _join(context, 1, world_size, timeout, out)
 
 
 def torchrun_backend() -> str:

@@ -960,6 +960,20 @@ def test_a_hanging_run_is_killed_at_its_timeout():
         launch.run(_hang, 2, timeout=3)
 
 
+def _barrier(rank, world):
+    dist.barrier()  # waits for rank 0, which never comes
+
+
+def test_an_interrupt_beside_the_ranks_stops_them_and_stays_the_interrupt():
+    # Ctrl-C or SIGTERM in the driving process: the rank waiting on it is killed at once, not
+    # joined until its timeout (300 s here; a gate interrupted so outlived its test's 120 s),
+    # and its failure on the lost peer does not replace the interrupt.
+    with pytest.raises(KeyboardInterrupt):
+        with launch.beside(_barrier, 2, timeout=300):
+            raise KeyboardInterrupt
+    assert not dist.is_initialized()
+
+
 def test_ranks_beside_this_process_fail_it_when_one_raises():
     with pytest.raises(launch.RankFailed, match="^rank 1 of 2 failed first:(.|\\n)*rank 1 broke"):
         with launch.beside(_raise_on_rank_1, 2, timeout=60):
