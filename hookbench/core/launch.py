@@ -160,24 +160,26 @@ def _spawn(first: int, world_size: int, timeout: float, out: str, backend: str,
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, orphans.LEFT_TO_PARENT) if masking else None
     spawn, processes = multiprocessing.get_context("spawn"), []
     try:
-        for index in range(world_size - first):
-            work = (_worker, (index, first, world_size, port, timeout, out, backend, fn, args))
-            processes.append(spawn.Process(target=orphans.run, args=(pickle.dumps(work),)))
-            processes[-1].start()
+        try:
+            for index in range(world_size - first):
+                work = (_worker, (index, first, world_size, port, timeout, out, backend, fn,
+                                  args))
+                processes.append(spawn.Process(target=orphans.run, args=(pickle.dumps(work),)))
+                processes[-1].start()
+        finally:
+            if outer is None:
+                del os.environ[orphans.ENV]
+            else:
+                os.environ[orphans.ENV] = outer
+            if level == "ERROR" and os.environ.get("TORCH_CPP_LOG_LEVEL") == "ERROR":
+                del os.environ["TORCH_CPP_LOG_LEVEL"]
+            if masking:  # a signal pending since the spawn is handled here, as Interrupted
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         return mp.ProcessContext(processes, [_error_file(out, first + index)
                                              for index in range(len(processes))])
-    except BaseException:
+    except BaseException:  # Ctrl-C or SIGTERM among them: no rank is left behind
         _stop(processes)
         raise
-    finally:
-        if outer is None:
-            del os.environ[orphans.ENV]
-        else:
-            os.environ[orphans.ENV] = outer
-        if masking:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        if level == "ERROR" and os.environ.get("TORCH_CPP_LOG_LEVEL") == "ERROR":
-            del os.environ["TORCH_CPP_LOG_LEVEL"]
 
 
 def _join(context: Any, first: int, world_size: int, timeout: float, out: str) -> None:
@@ -233,9 +235,9 @@ def beside(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
         raise ValueError("this process is already in a process group")
     host = _host(timeout)
     with tempfile.TemporaryDirectory() as out:
-        context = _spawn(1, world_size, timeout, out, backend, fn, args, host.port)
-        interrupted = False
+        context, interrupted = None, False
         try:
+            context = _spawn(1, world_size, timeout, out, backend, fn, args, host.port)
             _init(backend, host.port, 0, world_size, timeout, host)
             try:
                 yield
@@ -249,7 +251,9 @@ def beside(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
             interrupted = True
             raise
         finally:
-            if interrupted:
+            if context is None:
+                pass  # _spawn raised, and stopped what it had started
+            elif interrupted:
                 _stop(context.processes)
             else:
                 _join(context, 1, world_size, timeout, out)

@@ -974,6 +974,32 @@ def test_an_interrupt_beside_the_ranks_stops_them_and_stays_the_interrupt():
     assert not dist.is_initialized()
 
 
+def test_a_signal_held_while_the_ranks_start_stops_them_when_it_lands(monkeypatch):
+    # SIGTERM sent to the driving thread while it spawns (it blocks Ctrl-C and SIGTERM then)
+    # is handled when the spawn unblocks them: the ranks started by then are stopped, not left
+    # for multiprocessing's exit handler to wait on until their timeout.
+    import multiprocessing.context
+    import signal
+
+    start = multiprocessing.context.SpawnProcess.start
+
+    def start_then_signal(self):
+        start(self)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(multiprocessing.context.SpawnProcess, "start", start_then_signal)
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch.run(_hang, 2, timeout=300)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert multiprocessing.active_children() == []
+
+
 def test_ranks_beside_this_process_fail_it_when_one_raises():
     with pytest.raises(launch.RankFailed, match="^rank 1 of 2 failed first:(.|\\n)*rank 1 broke"):
         with launch.beside(_raise_on_rank_1, 2, timeout=60):
