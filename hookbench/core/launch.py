@@ -251,11 +251,9 @@ def beside(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float =
             interrupted = True
             raise
         finally:
-            if context is None:
-                pass  # _spawn raised, and stopped what it had started
-            elif interrupted:
+            if interrupted and context is not None:
                 _stop(context.processes)
-            else:
+            elif context is not None:  # None: _spawn raised, and stopped what it had started
                 _join(context, 1, world_size, timeout, out)
 
 

@@ -37,8 +37,8 @@ from hookbench.models.zoo import TinySpec
 
 __all__ = [
     "AGAINST_FORLOOP",
-    "FAMILIES",
     "DEVICE_FLAGS",
+    "FAMILIES",
     "IMPLEMENTATION_FLAGS",
     "IMPLEMENTATION_CASES",
     "OPTION_VARIANTS",
@@ -54,11 +54,11 @@ __all__ = [
     "live_gradients",
     "missing_implementation",
     "parameters_only",
+    "refused_here",
     "rounding_level",
     "start",
     "stepwise",
     "tolerance",
-    "refused_here",
     "training",
     "trajectory",
     "without_implementation",
@@ -159,6 +159,7 @@ def _captured(names: set[str]) -> None:
         raise RuntimeError("the capturable step read a value back to the host "
                            "(aten._local_scalar_dense): torch did not run the capturable step "
                            "it was asked for")
+
 
 # What each implementation's step dispatches: torch's kernels for it are named so
 # (aten._fused_adam_, aten._foreach_mul_, ...); the for-loop dispatches neither.
