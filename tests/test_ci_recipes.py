@@ -151,7 +151,7 @@ def test_the_workflow_runs_on_a_user_project(tmp_path):
     workflow = github()
     project = tmp_path / "charlm"
     shutil.copytree(ROOT / "examples" / "charlm", project,
-                    ignore=shutil.ignore_patterns("check.log", "__pycache__"))
+                    ignore=shutil.ignore_patterns("check.log", "__pycache__", "hookbench-out"))
     env = {k: str(v) for k, v in workflow["env"].items()}
     pinned = env["PINNED_TORCH"]
     assert torch.__version__.split("+")[0] == pinned, "this suite runs on the pinned torch"

@@ -128,12 +128,14 @@ def test_the_gate_under_a_fault_writes_its_failed_rows_as_junit_failures(capsys,
 
 
 def test_a_clean_gate_writes_passing_rows_and_no_figure(capsys, tmp_path):
-    junit = tmp_path / "gate.xml"
+    junit, stale = tmp_path / "gate.xml", tmp_path / "gate-failed.png"
+    stale.write_bytes(b"\x89PNG an earlier gate's failed rows")
     assert main(["gate", "--baseline", str(BASELINE), "--sections", "hooks", "--junit-xml",
                  str(junit), "--out", str(tmp_path)]) == 0
     root = ET.parse(junit).getroot()
     assert root.get("failures") == "0" and int(root.get("tests")) > 5
-    assert not (tmp_path / "gate-failed.png").exists()
+    assert not stale.exists()
+    assert f"removed {stale}: an earlier gate's failed rows" in capsys.readouterr().out
 
 
 def test_failed_panels_show_the_peak_and_the_categories_that_moved():
