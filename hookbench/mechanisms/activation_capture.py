@@ -164,6 +164,10 @@ class ActivationCapture:
     # -- lifetime ----------------------------------------------------------------------------
 
     def __enter__(self) -> ActivationCapture:
+        # Recording is eager work: one graph break under torch.compile, never a recompile.
+        # Disabled here, not by decorating the method: the decorator imports torch._dynamo,
+        # a second per process (every rank, every command) that never opens a capture.
+        self._hook = torch.compiler.disable(self._record)
         try:
             if self.global_hook:
                 self._handles.append(module_mod.register_module_forward_hook(self._hook))
@@ -214,8 +218,7 @@ class ActivationCapture:
 
     # -- hook --------------------------------------------------------------------------------
 
-    @torch.compiler.disable  # recording is eager work: one graph break, never a recompile
-    def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
         name = self.names.get(id(module))
         if name is None:  # the global hook sees every module of every model
             return
