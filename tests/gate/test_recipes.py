@@ -325,7 +325,7 @@ def test_capture_of_a_training_step_with_keyword_inputs_changes_nothing():
 
 
 def test_a_capture_that_misses_calls_fails_the_row(monkeypatch):
-    monkeypatch.setattr(activation_capture.ActivationCapture, "_hook", lambda *a, **k: None)
+    monkeypatch.setattr(activation_capture.ActivationCapture, "_record", lambda *a, **k: None)
     row = workload_checks.capture(RECIPE)["recipe/capture"]
     assert row["problems"] == ["0 calls recorded of 3 submodule calls"]
 
@@ -369,6 +369,6 @@ def test_a_capture_that_changes_the_output_fails_the_row(monkeypatch):
     def changes(self, module, args, output):  # a hook that hands back another output
         return output * 1.0001 if torch.is_tensor(output) else None
 
-    monkeypatch.setattr(activation_capture.ActivationCapture, "_hook", changes)
+    monkeypatch.setattr(activation_capture.ActivationCapture, "_record", changes)
     row = workload_checks.capture(RECIPE)["recipe/capture"]
     assert "the captured step's loss or gradients differ from the plain step's" in row["problems"]
