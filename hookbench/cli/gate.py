@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,17 +42,17 @@ def run(args: argparse.Namespace) -> int:
         baseline=str(baseline), baseline_torch=base["recorded_with"]["torch"],
         **({"fault": args.fault} if args.fault else {}))
     panels = failed_panels(result, base, now, device, args.time_slack)
-    figure = common.output_dir(args.out) / "gate-failed.png"
-    if not panels and figure.exists():
-        # An earlier run's failures beside this run's verdicts would read as this run's (a CI
-        # job that keeps its out folder, a user who gates again after a fix).
-        figure.unlink()
-        print(f"removed {figure}: an earlier gate's failed rows; none failed this time")
     if panels:
         written.append(plot.recorded_against_now(
-            panels, figure,
+            panels, common.output_dir(args.out) / "gate-failed.png",
             f"hookbench gate: torch {torch.__version__} against the baseline of torch "
             f"{base['recorded_with']['torch']}, the failed memory and time rows"))
+    elif (stale := Path(args.out) / "gate-failed.png").is_file():
+        # An earlier run's failures beside this run's verdicts would read as this run's (a CI
+        # job that keeps its out folder, a user who gates again after a fix). Only looked
+        # for: a gate that writes nothing makes no folder.
+        stale.unlink()
+        print(f"removed {stale}: an earlier gate's failed rows; none failed this time")
     if written:
         print(f"wrote {' and '.join(map(str, written))}")
     print(f"baseline: torch {base['recorded_with']['torch']} on "
