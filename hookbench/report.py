@@ -17,7 +17,7 @@ from hookbench.core.workload import Workload
 from hookbench.gate.checks import Section, Verdict
 from hookbench.gate.workload_checks import DESIGNED, refusal, say_warnings
 from hookbench.engines import references
-from hookbench.measure import zero2_runs
+from hookbench.measure import bounds, zero2_runs
 from hookbench.measure.memory import (CATEGORIES, MemoryResult, format_bytes,
                                       measure, measure_or_fall_back, table_unit)
 from hookbench.measure.parity import compare, parameters_only, trajectory
@@ -196,38 +196,42 @@ def zero2_section(spec: Workload, backend: str, standard: MemoryResult | None,
                 section.add(not value.get("problems"), key,
                             "; ".join(value["problems"]) or value["parity"])
     progress("ZeRO-2: parity on 2 gloo ranks, fp32 and bf16 ...")
-    cases = zero2_runs.parity_cases() if parity is None else []
-    mixed = [{**case, "kwargs": {**case["kwargs"], **extra}}
-             for extra in (MIXED, FP16) for case in cases]
-    ranks = None
+    cases = [{**case, "key": (name, "zero2", "fp32")} for name, case in zip(
+        zero2_runs.PARITY_OPTIMIZERS, zero2_runs.parity_cases() if parity is None else [])]
+    mixed = [{**case, "kwargs": {**case["kwargs"], **extra}, "key": (*case["key"][:2], label)}
+             for label, extra in (("bf16", MIXED), ("fp16", FP16)) for case in cases]
+    got = None
     try:
         if cases:  # and torch's DDP on the fp32 cases, the reference of the same arithmetic
-            ranks = launch.run(references.ranks, 2,
-                               cases + mixed + references.with_ddp(cases)[len(cases):])
+            got = references.gathered(launch.run(
+                references.ranks, 2, cases + mixed + references.ddp_beside(cases)))
     except Exception as e:  # noqa: BLE001 - a crashed rank is a failed row, not a traceback
         section.add(False, "parity on 2 gloo ranks", f"FAILED: {one_line(e)}")
-    for i, case in enumerate(cases if ranks else ()):
+    for case in cases if got else ():
+        ranks = got[case["key"]]
         ref = parameters_only(trajectory(case["spec"], case["optimizer_class"], case["kwargs"],
                                          "forloop", steps=case["steps"]))
-        for rank, got in enumerate(ranks):
-            result = compare(got[i]["snapshots"], ref, zero2_runs.TOLERANCE)
+        for rank, each in enumerate(ranks):
+            result = compare(each["snapshots"], ref, bounds.DATA_PARALLEL)
             section.add(result.ok, f"{case['optimizer_class'].__name__}, gloo rank {rank} of 2",
                         result.verdict())
-        ddp = ranks[0][len(cases) + len(mixed) + i]["snapshots"]
-        result = compare(ranks[0][i]["snapshots"], ddp)  # fp32 on gloo: the same arithmetic
+        ddp = got[(*case["key"][:2], "ddp")][0]["snapshots"]
+        result = compare(ranks[0]["snapshots"], ddp)  # fp32 on gloo: the same arithmetic
         section.add(result.ok, f"{case['optimizer_class'].__name__} vs DDP, 2 gloo ranks",
                     f"{result.verdict()} (torch's DistributedDataParallel on the same shares)")
-    for i, case in enumerate(mixed if ranks else (), start=len(cases)):
+    fp32 = {case["key"][0]: case for case in cases}
+    for case in mixed if got else ():
+        ranks = got[case["key"]]
         extra = {k: case["kwargs"][k] for k in ("param_dtype", "loss_scaling")
                  if k in case["kwargs"]}
         ref = zero2_runs.mixed_reference(case["spec"], case["optimizer_class"],
-                                         cases[i % len(cases)]["kwargs"], case["steps"], 2,
+                                         fp32[case["key"][0]]["kwargs"], case["steps"], 2,
                                          **extra)
         # The same operations in the same order as the reference: bit for bit.
-        result = compare(ranks[0][i]["snapshots"], ref["snapshots"])
-        masters = torch.cat([rank[i]["masters"][-1][0][1] for rank in ranks])
+        result = compare(ranks[0]["snapshots"], ref["snapshots"])
+        masters = torch.cat([rank["masters"][-1][0][1] for rank in ranks])
         same = torch.equal(masters, ref["masters"])
-        scales = ranks[0][i]["loss_scales"]
+        scales = ranks[0]["loss_scales"]
         scaled = scales == ref["scales"]
         words = f"parameters {result.verdict()}, masters {'bit-exact' if same else 'DIFFER'}"
         if "loss_scaling" in extra:  # skipped steps are where the scale backed off

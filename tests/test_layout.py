@@ -32,6 +32,11 @@ def _module(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _is_module(name: str) -> bool:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def _imports(path: Path) -> set[str]:
     """The hookbench modules ``path`` imports anywhere in it (functions included)."""
     found = set()
@@ -41,9 +46,12 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{path.name}: relative import"  # absolute, by convention
             if node.module and node.module.split(".")[0] == "hookbench":
-                # "from hookbench import zero2" names a module; "from hookbench.x import y" x
-                found |= ({f"{node.module}.{a.name}" for a in node.names}
-                          if node.module == "hookbench" else {node.module})
+                # "from hookbench.measure.peers import deepspeed_zero2" names a module (the one
+                # the cycle faults -> deepspeed_zero2 -> zero2_runs -> faults went through,
+                # unseen while only "from hookbench import x" was read so); "from
+                # hookbench.x import y", y a name in it, names x
+                found |= {f"{node.module}.{a.name}" if _is_module(f"{node.module}.{a.name}")
+                          else node.module for a in node.names}
     return found
 
 
@@ -124,6 +132,15 @@ def test_the_layer_check_finds_an_upward_import():
     graph["hookbench.mechanisms.zero2"] |= {"hookbench.core.workload"}
     assert _upward(graph) == ["hookbench.mechanisms.zero2 (mechanisms) imports "
                               "hookbench.core.workload (core)"]
+
+
+def test_an_import_of_a_submodule_from_its_package_is_an_edge(tmp_path):
+    # The form the faults -> deepspeed_zero2 -> zero2_runs -> faults cycle hid behind.
+    source = tmp_path / "m.py"
+    source.write_text("from hookbench.measure.peers import deepspeed_zero2\n"
+                      "from hookbench.measure.parity import compare\n")
+    assert _imports(source) == {"hookbench.measure.peers.deepspeed_zero2",
+                                "hookbench.measure.parity"}
 
 
 def test_the_cycle_finder_finds_a_cycle():

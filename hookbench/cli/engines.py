@@ -68,7 +68,8 @@ def _print(workloads: list[Workload], stopped: dict[str, Any], runs: list[list[d
     if errors:
         print("hookbench engines: FAILED: " + "; ".join(errors))
         return 1
-    rows = workload_checks.engine_rows(workloads, stopped, runs, got, world, ENGINES)
+    rows = workload_checks.engine_rows(workloads, stopped, references.gathered(got), world,
+                                       ENGINES)
     section = report.workload_section(
         f"The engines on {world} {backend} ranks, "
         f"{workload_checks.STEPS} steps of {ACCUMULATION} micro-batches (the first without "

@@ -23,7 +23,7 @@ from hookbench.core.prerequisites import attempt
 from hookbench.core.workload import Workload
 from hookbench.engines import references
 from hookbench.gate import workload_checks
-from hookbench.measure import plot, zero2_runs, zero_paper
+from hookbench.measure import bounds, plot, zero2_runs, zero_paper
 from hookbench.measure.parity import compare, parameters_only, trajectory
 from hookbench.models.zoo import workload as zoo_workload
 
@@ -44,7 +44,7 @@ def _zero2_demo(rank: int, world: int, spec: Workload, steps: int,
                                                    "bucket_numel": bucket_numel})
     ref = parameters_only(trajectory(spec, torch.optim.SGD, sgd, "forloop", steps=steps))
     return {"rank": rank, "peak": memory["peak"], "breakdown": memory["breakdown"],
-            "parity": compare(got["snapshots"], ref, zero2_runs.TOLERANCE)}
+            "parity": compare(got["snapshots"], ref, bounds.DATA_PARALLEL)}
 
 
 def _zero_paper(args: argparse.Namespace) -> int:
@@ -83,7 +83,8 @@ def _zero_paper(args: argparse.Namespace) -> int:
 def _workload_rank(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
     """One rank of ZeRO-2 on a workload: its run and DDP's beside it (``references.ranks``),
     then, unless ZeRO-2 refused or failed, this rank's memory of one step."""
-    zero2, ddp = references.ranks(rank, world, references.with_ddp([case]))
+    got = references.ranks(rank, world, [case, *references.ddp_beside([case])])
+    zero2, ddp = got[case["key"]], got[(*case["key"][:2], "ddp")]
     out: dict[str, Any] = {"rank": rank, "zero2": zero2, "ddp": ddp}
     if "refused" not in zero2 and not zero2["error"]:
         memory = zero2_runs.rank_memory(

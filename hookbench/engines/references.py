@@ -36,38 +36,44 @@ from hookbench.core.prerequisites import one_line, warnings_kept
 from hookbench.core.workload import Workload
 from hookbench.engines import ddp, deepspeed, fsdp2
 from hookbench.measure import zero2_runs
+from hookbench.measure.bounds import FLOOR_FACTOR
 from hookbench.measure.faults import inject
 from hookbench.measure.parity import (NoiseBounds, Snapshot, Tolerance, compare,
                                       parameters_only, rounding_level, training)
 
-__all__ = ["ENGINE_RUNS", "FLOOR_FACTOR", "arithmetic_differs", "floor_bounds", "judge",
-           "largest", "noise_floor", "ranks", "single_process", "with_ddp"]
+__all__ = ["ENGINE_RUNS", "Key", "arithmetic_differs", "ddp_beside", "floor_bounds", "gathered",
+           "judge", "largest", "noise_floor", "ranks", "single_process"]
 
-# Against the single process where DDP itself exceeds the derived tolerance: ZeRO-2 may be up
-# to this many times as far from it as DDP is, tensor by tensor (the largest |DDP - single
-# process| of each parameter at each step, plus the tolerance). Two legal orders of the same
-# additions are not each other's mirror image; 2x lets another legal order drift as far again,
-# and a broken reduction is caught against DDP in any case. Per tensor, not per element: the
-# drift spreads over a tensor chaotically, and an element where DDP happens to land near the
-# single process has no floor of its own (timm's resnet10t, one image on each of 4 ranks: the
-# FSDP2 rows 525x per element, 0.86x per tensor).
-FLOOR_FACTOR = 2.0
+# A case's address in a launch: (workload, row, case), e.g. ("mlp", "engines/ddp", "ddp")
+Key = tuple[str, str, str]
 
 
-def ranks(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each case on this rank, from one start of the ranks: ``{"engine": "ddp", ...}`` by
-    ``ddp.trajectory``, ``"fsdp2"`` by ``fsdp2.trajectory``, any other by
-    ``zero2_runs.trajectory`` (its keyword arguments). An engine run's ``fault`` is injected
-    around it; what it raises is returned, as ZeRO-2's is, so every rank ends.
-    The warnings a run raised are in its result's ``warnings``, each once."""
-    out = []
+def ranks(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[Key, dict[str, Any]]:
+    """Each case on this rank, from one start of the ranks, its result under the case's
+    ``key`` (workload, row, case: ``gathered`` turns every rank's into one table, so nothing
+    is read back by its position): ``{"engine": "ddp", ...}`` by ``ddp.trajectory``,
+    ``"fsdp2"`` by ``fsdp2.trajectory``, any other by ``zero2_runs.trajectory`` (its keyword
+    arguments). An engine run's ``fault`` is injected around it; what it raises is returned,
+    as ZeRO-2's is, so every rank ends. The warnings a run raised are in its result's
+    ``warnings``, each once."""
+    keys = [case["key"] for case in cases]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"two cases share a key: {sorted(k for k in keys if keys.count(k) > 1)}")
+    out = {}
     for case in cases:
+        case = dict(case)
+        key = case.pop("key")
         said: list[str] = []  # torch's warnings go into the result, not onto the terminal
         with warnings_kept(said):
-            out.append(_run(rank, world, dict(case)))
+            out[key] = _run(rank, world, case)
         if said:
-            out[-1]["warnings"] = said
+            out[key]["warnings"] = said
     return out
+
+
+def gathered(per_rank: list[dict[Key, dict[str, Any]]]) -> dict[Key, list[dict[str, Any]]]:
+    """``ranks``' results from every rank, by key: each case's results in rank order."""
+    return {key: [rank[key] for rank in per_rank] for key in per_rank[0]}
 
 
 def _run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
@@ -90,12 +96,12 @@ ENGINE_RUNS = {"ddp": ddp.trajectory, "fsdp2": fsdp2.trajectory,
                "deepspeed": deepspeed.trajectory}
 
 
-def with_ddp(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """ZeRO-2 ``cases`` followed by a DDP case for each (the same spec, optimizer, options and
-    steps; never a fault, and never the workload's comm hook: the reference must be the
-    release's own DDP, reducing as ZeRO-2 does)."""
-    return [*cases, *({**case, "engine": "ddp", "fault": None, "comm_hook": False}
-                      for case in cases)]
+def ddp_beside(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A DDP case beside each ZeRO-2 case of ``cases``, keyed (workload, row, "ddp"): the same
+    spec, optimizer, options and steps; never a fault, and never the workload's comm hook (the
+    reference must be the release's own DDP, reducing as ZeRO-2 does)."""
+    return [{**case, "engine": "ddp", "fault": None, "comm_hook": False,
+             "key": (*case["key"][:2], "ddp")} for case in cases]
 
 
 def single_process(workload: Workload, optimizer_class: type, kwargs: dict[str, Any],

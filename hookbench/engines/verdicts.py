@@ -49,6 +49,7 @@ from hookbench.core.workload import Workload
 from hookbench.engines import ddp, deepspeed, fsdp2, references
 from hookbench.engines.loop import ACCUMULATION
 from hookbench.measure import zero2_runs
+from hookbench.measure.bounds import FLOOR_FACTOR
 from hookbench.measure.parity import Tolerance, compare
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
@@ -151,13 +152,13 @@ def missing(engines: tuple[str, ...]) -> dict[str, str]:
 
 def cases(workload: Workload, kwargs: dict[str, Any], steps: int, skip: dict[str, Any],
           fault: str | None, engines: tuple[str, ...] = ENGINES) -> list[dict[str, Any]]:
-    """The runs for ``references.ranks``: one per engine of ``engines`` not in ``skip``, in
-    that order."""
+    """The runs for ``references.ranks``: one per engine of ``engines`` not in ``skip``, keyed
+    (workload, "engines/<engine>", engine)."""
     base = dict(spec=workload, optimizer_class=workload.optimizer[0], kwargs=kwargs,
                 steps=steps, accumulation=ACCUMULATION, fault=fault)
-    return [{**base, "engine": "fsdp2", "setting": engine.removeprefix("fsdp2_")}
-            if engine.startswith("fsdp2") else
-            {**base, "engine": engine.removesuffix("_zero2")}
+    return [{**base, "key": (workload.name, f"engines/{engine}", engine),
+             **({"engine": "fsdp2", "setting": engine.removeprefix("fsdp2_")}
+                if engine.startswith("fsdp2") else {"engine": engine.removesuffix("_zero2")})}
             for engine in engines if engine not in skip]
 
 
@@ -257,7 +258,7 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
                                                  rounding)
                 confirmed = (not compare(peer, single, tol, rounding).ok
                              and compare(peer, snaps["ddp"], tol, bounds).ok)
-                by = (f"drifting from it too and within {references.FLOOR_FACTOR:g}x the noise "
+                by = (f"drifting from it too and within {FLOOR_FACTOR:g}x the noise "
                       f"floor of DDP")
             else:
                 confirmed, by = False, ""

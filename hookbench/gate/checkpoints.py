@@ -38,7 +38,7 @@ from hookbench.core import launch
 from hookbench.core.prerequisites import attempt, one_line
 from hookbench.gate.baselines import fingerprint
 from hookbench.gate.checks import Run, Section, trajectory_verdict
-from hookbench.measure import zero2_runs
+from hookbench.measure import bounds
 from hookbench.measure.faults import inject
 from hookbench.measure.parity import FAMILIES, Snapshot, tolerance
 from hookbench.measure.zero2_runs import local_batch
@@ -259,7 +259,7 @@ def judge(base: dict, now: dict, run: Run) -> Section:
                     for part, what in (("schema", "file schema"),
                                        ("resaved", "schema saved after resuming"))
                     if rec[part] != value[part]]
-        tol = zero2_runs.TOLERANCE if "zero2" in key else tolerance("foreach", SPEC.dtype)
+        tol = bounds.DATA_PARALLEL if "zero2" in key else tolerance("foreach", SPEC.dtype)
         ok, continuation = trajectory_verdict(rec, value, tol, run.machine_note)
         section.add(ok and not problems, key, "; ".join(
             (problems or ["schema as recorded"]) + [f"continuation {continuation}"]))

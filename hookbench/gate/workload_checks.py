@@ -16,7 +16,7 @@ For each ``hookbench.Workload`` (rows keyed ``name/what``):
     name/zero2                          ``Zero2`` on ZERO2_RANKS gloo ranks against torch's DDP
                                         on the same shares, bit for bit where the arithmetic is
                                         the same, and against the for-loop step on the ranks'
-                                        shares in one process (``zero2_runs.TOLERANCE``, the
+                                        shares in one process (``bounds.data_parallel_bound``, the
                                         autocast tolerance under autocast; elements whose
                                         gradient is at rounding level within
                                         ``parity.NoiseBounds``; within the measured noise floor
@@ -77,9 +77,11 @@ from hookbench.engines import fsdp2, references, verdicts
 from hookbench.engines.loop import ACCUMULATION, Refused
 from hookbench.engines.memory import rank_peak
 from hookbench.measure import zero2_runs
+from hookbench.measure.bounds import (STEP_TEMPORARIES, YARDSTICK_HEADROOM, data_parallel_bound,
+                                      trajectory_bound)
 from hookbench.measure.memory import MemoryResult, measure_or_fall_back
 from hookbench.measure.parity import (AGAINST_FORLOOP, Tolerance, accepts, compare,
-                                      refused_here, stepwise, tolerance, trajectory,
+                                      refused_here, stepwise, trajectory,
                                       without_implementation)
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
@@ -103,10 +105,6 @@ _REFERENCE = {"foreach": ("forloop", False), "in_backward": ("forloop", True),
 # with the class's for-loop, bit for bit the for-loop step.
 _FOREACH = ("foreach", "in_backward_grouped_foreach")
 MEMORY_STRATEGIES = ("foreach", "in_backward", "zero2")
-# The most temporaries of a parameter's size a for-loop step makes at once: Adam's with L2
-# weight decay holds the decayed gradient, the square root of its second moment and the
-# denominator made from it (torch/optim/adam.py, _single_tensor_adam).
-STEP_TEMPORARIES = 3
 STEPS = 3
 # The most batches a row draws (the engines' micro-batches): ``Workload.check`` runs them all
 BATCHES = STEPS * ACCUMULATION
@@ -115,15 +113,6 @@ BATCHES = STEPS * ACCUMULATION
 SAMPLE = 64
 ZERO2_RANKS = 2
 ZERO2_MEMORY_WORLD = 8  # rank 0 of 8 simulated ranks, as the gate's zoo rows
-# Under autocast two strategies whose fp32 updates differ by an ulp feed the next forward
-# weights that round to different low-precision values now and then, so their trajectories
-# drift apart by about one bf16/fp16 rounding of an activation: bf16 keeps 8 bits (eps 7.8e-3),
-# fp16 11 bits (eps 9.8e-4). A quarter of eps relative to the parameter, plus an absolute
-# floor for parameters near zero, still fails a step that went wrong (a whole lr-sized update).
-_AUTOCAST_TOLERANCE = {"bf16": Tolerance(rtol=2e-3, atol=1e-4),
-                       "fp16": Tolerance(rtol=2.5e-4, atol=1e-5)}
-
-
 def not_applicable(workload: Workload, strategy: str) -> str | None:
     """Why ``strategy`` does not apply to the workload's optimizer, or None. The words name
     the class, not the torch release, so that a recorded row stays the same across releases."""
@@ -197,23 +186,6 @@ def refused_words(error: str) -> str:
     return ": ".join(error.split(": ")[:2])
 
 
-def _tolerance(workload: Workload, identical: bool) -> Tolerance | None:
-    if workload.pure is not None:
-        # In pure low precision a tolerance would have to be a rounding of the parameter
-        # (bf16: 1/256 of it), which is as large as a small update: it could not fail a step
-        # that went wrong. Every pair compared so runs the same kernels on the same tensors
-        # (the for-loop in backward, the foreach modes in groups and buckets, whose kernels
-        # work per element), so bit for bit; the implementations against the for-loop are
-        # held step by step instead (``parity.stepwise``), and the recorded trajectory bit for
-        # bit (measured: the same bits on torch 2.12.1 to 2.14.1, where nothing changed).
-        return None
-    if identical and workload.compile is None:
-        return None  # the same operations in the same order: bit for bit
-    if workload.precision in _AUTOCAST_TOLERANCE:
-        return _AUTOCAST_TOLERANCE[workload.precision]
-    return tolerance("foreach", workload.parameter_dtype)
-
-
 def _refused(workload: Workload, strategy: str) -> dict[str, Any]:
     """Run a strategy that must refuse: its first words, or a problem if it ran."""
     cls, kwargs = workload.optimizer
@@ -248,7 +220,7 @@ def trajectories(workload: Workload) -> dict[str, dict[str, Any]]:
             runs[strategy] = trajectory(workload, cls, kwargs, strategy, steps=STEPS)
             # On another CPU the bits may change; then the final parameters must stay within
             # what two implementations of the step may differ by.
-            machine = _tolerance(workload, identical=False)
+            machine = trajectory_bound(workload, identical=False)
             row = {**fingerprint(runs[strategy], SAMPLE), "problems": [],
                    "tolerance": machine and {"rtol": machine.rtol, "atol": machine.atol}}
             if _reference(workload, strategy):
@@ -260,7 +232,7 @@ def trajectories(workload: Workload) -> dict[str, dict[str, Any]]:
                     return row
                 else:
                     result = compare(runs[strategy], runs[reference],
-                                     _tolerance(workload, identical))
+                                     trajectory_bound(workload, identical))
                 row["parity"] = f"vs {reference}: {result.verdict()}"
                 if not result.ok:
                     row["problems"].append(row["parity"])
@@ -294,7 +266,7 @@ def zero2_case(workload: Workload, fault: str | None = None, steps: int = STEPS
     of a quarter of its elements (``bucket``)."""
     return dict(spec=workload, optimizer_class=workload.optimizer[0],
                 kwargs=forloop_options(workload), bucket_numel=bucket(workload), steps=steps,
-                fault=fault)
+                fault=fault, key=(workload.name, "zero2", "zero2"))
 
 
 def zero2_row(workload: Workload, case: dict[str, Any], got: list[dict[str, Any]],
@@ -315,7 +287,7 @@ def zero2_row(workload: Workload, case: dict[str, Any], got: list[dict[str, Any]
         problems.append("DDP's ranks hold different parameters")
     reference, rounding, note = references.single_process(
         workload, case["optimizer_class"], case["kwargs"], case["steps"], world)
-    t = _zero2_tolerance(workload)
+    t = data_parallel_bound(workload)
     verdict = references.judge(workload, got[0]["snapshots"], ddp[0]["snapshots"], reference,
                                rounding, note, t, world)
     return {**fingerprint(got[0]["snapshots"], SAMPLE), "warnings": got[0].get("warnings", []),
@@ -334,13 +306,14 @@ def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 
     cases = [zero2_case(w, fault) for w in (workloads if with_zero2 else ())]
     engined = workloads if with_engines else []
     stopped, engine_cases = engine_runs(engined, fault)
-    ranks = launch.run(references.ranks, ZERO2_RANKS,
-                       [*references.with_ddp(cases), *(c for w in engine_cases for c in w)],
-                       timeout=timeout)
-    out = engine_rows(engined, stopped, engine_cases, [rank[2 * len(cases):] for rank in ranks])
-    for i, (w, case) in enumerate(zip(workloads, cases)):
-        out[f"{w.name}/zero2"] = _row(lambda i=i, w=w, case=case: zero2_row(
-            w, case, [rank[i] for rank in ranks], [rank[len(cases) + i] for rank in ranks]))
+    got = references.gathered(launch.run(
+        references.ranks, ZERO2_RANKS,
+        [*cases, *references.ddp_beside(cases), *(c for w in engine_cases for c in w)],
+        timeout=timeout))
+    out = engine_rows(engined, stopped, got)
+    for w, case in zip(workloads, cases):
+        out[f"{w.name}/zero2"] = _row(lambda w=w, case=case: zero2_row(
+            w, case, got[case["key"]], got[(w.name, "zero2", "ddp")]))
     return out
 
 
@@ -362,42 +335,24 @@ def engine_runs(workloads: list[Workload], fault: str | None, world: int = ZERO2
 
 
 def engine_rows(workloads: list[Workload], stopped: dict[str, dict[str, dict[str, str]]],
-                runs: list[list[dict[str, Any]]], ranks: list[list[dict[str, Any]]],
-                world: int = ZERO2_RANKS, engines: tuple[str, ...] = verdicts.ENGINES
-                ) -> dict[str, dict[str, Any]]:
-    """The ``name/engines/<engine>`` rows of ``engine_runs``'s runs from what each rank
-    returned for them (``ranks``: per rank, the results in the runs' order)."""
+                got: dict[references.Key, list[dict[str, Any]]], world: int = ZERO2_RANKS,
+                engines: tuple[str, ...] = verdicts.ENGINES) -> dict[str, dict[str, Any]]:
+    """The ``name/engines/<engine>`` rows of ``engine_runs``'s runs from what the ranks
+    returned for them (``got``: by key, each case's results in rank order)."""
     out: dict[str, dict[str, Any]] = {}
-    start = 0
-    for w, cases in zip(workloads, runs):
-        got = [[rank[j] for rank in ranks] for j in range(start, start + len(cases))]
-        start += len(cases)
-        out.update(_engine_rows(w, forloop_options(w), stopped[w.name], got, world, engines))
+    for w in workloads:
+        ran = {e: got[(w.name, f"engines/{e}", e)] for e in engines if e not in stopped[w.name]}
+        out.update(_engine_rows(w, forloop_options(w), stopped[w.name], ran, world, engines))
     return out
 
 
-def _zero2_tolerance(w: Workload) -> Tolerance:
-    # Another order of the fp32 gradient sum (and of a clipping norm): an ulp apart, which
-    # autocast turns into a low-precision rounding now and then, as above. In pure low
-    # precision the ranks sum gradients in that precision, so a parameter lands a rounding
-    # of its own away now and then: up to 2 ulps relative (an ulp is eps|p| just above a power
-    # of two), above half a rounding of 1e-3 (bf16: 3.9e-6) for elements near zero. A gradient that
-    # went wrong moves a parameter by a whole update, which is larger wherever the update is
-    # larger than a rounding (the pure rows' faults: tests/measure/test_pure_precision.py).
-    if w.pure is not None:
-        eps = torch.finfo(w.pure).eps
-        return Tolerance(rtol=2 * eps, atol=eps * 1e-3 / 2)
-    return _AUTOCAST_TOLERANCE.get(w.precision, zero2_runs.TOLERANCE)
-
-
 def _engine_rows(w: Workload, kwargs: dict[str, Any], stopped: dict[str, dict[str, str]],
-                 runs: list[list[dict[str, Any]]], world: int,
+                 ran: dict[str, list[dict[str, Any]]], world: int,
                  engines: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """``name/engines/<engine>`` rows: a fingerprint of rank 0's parameters, the verdict."""
     def judged() -> dict[str, dict[str, Any]]:
-        ran = [e for e in engines if e not in stopped]
-        t = _zero2_tolerance(w)
-        rows = verdicts.judge(w, dict(zip(ran, runs)), kwargs, STEPS, world, t)
+        t = data_parallel_bound(w)
+        rows = verdicts.judge(w, ran, kwargs, STEPS, world, t)
         for engine, row in rows.items():
             if "snapshots" in row:
                 snapshots = row.pop("snapshots")
@@ -703,16 +658,6 @@ def engine_memory(workload: Workload) -> dict[str, dict[str, Any]]:
 
         out[key] = _row(one)
     return out
-
-
-# How far the yardstick, |DDP - single process| step by step (``references.noise_floor``), may
-# grow over the one recorded on the trusted torch, plus the row's atol. On the same torch and
-# CPU it is the same to the bit (the arithmetic is identical); another release may sum in
-# another order, and training amplifies the difference the way it amplified the recorded one,
-# so a factor, not an absolute. 4x leaves room for that and still catches a reduction that
-# went wrong silently in both DDP and the engine judged against it (whose own row then holds
-# within the grown floor).
-YARDSTICK_HEADROOM = 4.0
 
 
 def yardstick_problem(rec: dict | None, value: dict) -> str | None:

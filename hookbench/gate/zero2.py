@@ -11,7 +11,7 @@ from hookbench.core import launch
 from hookbench.gate.baselines import fingerprint
 from hookbench.gate.checks import Run, Section, trajectory_rows
 from hookbench.engines import references
-from hookbench.measure import zero2_runs
+from hookbench.measure import bounds, zero2_runs
 from hookbench.measure.parity import compare, parameters_only, trajectory
 
 FAULTS = None
@@ -21,14 +21,14 @@ def run_ranks(faults: list[str | None]) -> dict[str | None, list]:
     """Every rank's ZeRO-2 trajectories for each fault, and torch's DDP on the same cases (no
     fault: the reference), from one start of 2 gloo ranks (the fault is injected inside the
     ranks): per fault, per optimizer, (ZeRO-2's ranks, DDP's ranks)."""
-    clean = zero2_runs.parity_cases()
-    cases = [case for fault in faults for case in zero2_runs.parity_cases(fault)]
-    ranks = launch.run(references.ranks, 2, [*cases, *references.with_ddp(clean)[len(clean):]],
-                       timeout=300)
-    n = len(clean)
-    ddp = [[rank[len(cases) + j] for rank in ranks] for j in range(n)]
-    return {fault: [([rank[i * n + j] for rank in ranks], ddp[j]) for j in range(n)]
-            for i, fault in enumerate(faults)}
+    clean = [{**case, "key": (name, "zero2", "clean")}
+             for name, case in zip(zero2_runs.PARITY_OPTIMIZERS, zero2_runs.parity_cases())]
+    cases = [{**case, "key": (name, "zero2", str(fault))} for fault in faults
+             for name, case in zip(zero2_runs.PARITY_OPTIMIZERS, zero2_runs.parity_cases(fault))]
+    got = references.gathered(launch.run(references.ranks, 2,
+                                         [*cases, *references.ddp_beside(clean)], timeout=300))
+    return {fault: [(got[(name, "zero2", str(fault))], got[(name, "zero2", "ddp")])
+                    for name in zero2_runs.PARITY_OPTIMIZERS] for fault in faults}
 
 
 def measure(run: Run) -> dict[str, Any]:
@@ -51,7 +51,7 @@ def measure(run: Run) -> dict[str, Any]:
             problems.append(f"vs DDP on the same shares: {against.verdict()}")
         reference = parameters_only(trajectory(case["spec"], case["optimizer_class"],
                                                case["kwargs"], "forloop", steps=case["steps"]))
-        parity = compare(ranks[0]["snapshots"], reference, zero2_runs.TOLERANCE)
+        parity = compare(ranks[0]["snapshots"], reference, bounds.DATA_PARALLEL)
         if not parity.ok:
             problems.append(f"vs single-process training: {parity.verdict()}")
         out[name] = {**fingerprint(ranks[0]["snapshots"]), "problems": problems}
@@ -61,4 +61,4 @@ def measure(run: Run) -> dict[str, Any]:
 def judge(base: dict, now: dict, run: Run) -> Section:
     return trajectory_rows(
         "ZeRO-2 on 2 gloo ranks against DDP, single-process training and the stored checksum",
-        base, now, zero2_runs.TOLERANCE, run.machine_note)
+        base, now, bounds.DATA_PARALLEL, run.machine_note)

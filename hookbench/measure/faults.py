@@ -578,14 +578,14 @@ def _fsdp2_drops_settings(original: Callable) -> Callable:
 
 def _deepspeed_initialize() -> list[tuple[object, str]]:
     # only on a rank, where DeepSpeed runs: importing it elsewhere would pick its accelerator
-    # for the whole process (``deepspeed_zero2._deepspeed``); without deepspeed, nothing to break
+    # for the whole process (``deepspeed_import.load``); without deepspeed, nothing to break
+    from hookbench.core.deepspeed_import import load
     from hookbench.core.prerequisites import MissingPrerequisite
-    from hookbench.measure.peers import deepspeed_zero2
 
     if not torch.distributed.is_initialized():
         return []
     try:
-        return [(deepspeed_zero2._deepspeed(), "initialize")]
+        return [(load(), "initialize")]
     except MissingPrerequisite:
         return []
 

@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from hookbench.core.workload import Workload, of, to_device
+from hookbench.measure.bounds import Tolerance, tolerance
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 from hookbench.mechanisms.zero2 import Zero2
 from hookbench.models.zoo import TinySpec
@@ -87,36 +88,6 @@ STRATEGIES = (
     "peer",
     "zero2",
 )
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    rtol: float
-    atol: float
-
-
-# Tolerances for paths whose arithmetic is not identical to the for-loop's. Identical arithmetic
-# (every in-backward mode with foreach=False, and the peer) is compared bit for bit instead.
-# PyTorch's own tests (test/test_optim.py) compare foreach with the for-loop in float64 at
-# rtol=atol=1e-7 and fused in low precision at 5e-3. Here a few steps of a tiny model: fp32 eps
-# is 1.2e-7, fused Adam was seen 2e-7 off per step (../shared/NOTES.md), and the gap can grow a
-# little over steps through the model's own sensitivity, hence about 100 ulps in fp32. float64
-# keeps the PyTorch test's 1e-7, which is still ~1e9 ulps of float64 headroom.
-_TOLERANCES = {
-    ("foreach", torch.float32): Tolerance(rtol=1e-5, atol=1e-6),
-    ("foreach", torch.float64): Tolerance(rtol=1e-7, atol=1e-7),
-    ("fused", torch.float32): Tolerance(rtol=1e-5, atol=1e-6),
-    ("fused", torch.float64): Tolerance(rtol=1e-7, atol=1e-7),
-}
-
-
-def tolerance(strategy: str, dtype: torch.dtype) -> Tolerance | None:
-    """The tolerance against the for-loop for ``strategy`` in ``dtype``; None means bit-exact."""
-    # capturable computes the bias corrections from a tensor step count, in other roundings
-    # than the for-loop's Python floats: a reordering, as foreach's
-    if strategy in ("in_backward_grouped_foreach", "in_backward_bucketed", "capturable"):
-        strategy = "foreach"
-    return _TOLERANCES.get((strategy, dtype))
 
 
 # The options that choose how a torch optimizer's step is computed, not what it computes.

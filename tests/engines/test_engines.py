@@ -21,6 +21,7 @@ from hookbench import Workload
 from hookbench.core import launch
 from hookbench.engines import ddp, deepspeed, fsdp2, references, verdicts
 from hookbench.gate import workload_checks
+from hookbench.measure import bounds
 from hookbench.measure.faults import inject
 
 pytestmark = pytest.mark.distributed
@@ -463,7 +464,7 @@ def _judged_on_four_ranks(ddp_shift: float, fsdp2_shift: float) -> dict[str, dic
            "fsdp2_zero2": [{"snapshots": shifted(fsdp2_shift), "after_backward": [synced],
                             "units": 2, "unit_bytes": [1, 1, 1]}]}
     return verdicts.judge(workload, got, kwargs, workload_checks.STEPS, 4,
-                          workload_checks._zero2_tolerance(workload))
+                          bounds.data_parallel_bound(workload))
 
 
 def test_on_four_ranks_ddp_far_from_one_process_holds_only_where_fsdp2_drifts_too():
@@ -531,18 +532,19 @@ def _all_reduce_hands_wrong_elements():
 def _deepspeed_ranks(rank: int, world: int, broken: bool, fault: str | None
                      ) -> list[dict[str, Any]]:
     _, runs = workload_checks.engine_runs([WORKLOAD], fault, world, DS_ENGINES)
-    out = []
+    out = {}
     for case in (case for cases in runs for case in cases):  # only DeepSpeed's run broken
         with (_all_reduce_hands_wrong_elements() if broken and case["engine"] == "deepspeed"
               else contextlib.nullcontext()):
-            out += references.ranks(rank, world, [case])
+            out.update(references.ranks(rank, world, [case]))
     return out
 
 
 def _deepspeed_rows(broken: bool = False, fault: str | None = None) -> dict[str, dict]:
-    stopped, runs = workload_checks.engine_runs([WORKLOAD], fault, 2, DS_ENGINES)
+    stopped, _ = workload_checks.engine_runs([WORKLOAD], fault, 2, DS_ENGINES)
     got = launch.run(_deepspeed_ranks, 2, broken, fault)
-    return workload_checks.engine_rows([WORKLOAD], stopped, runs, got, 2, DS_ENGINES)
+    return workload_checks.engine_rows([WORKLOAD], stopped, references.gathered(got), 2,
+                                       DS_ENGINES)
 
 
 @pytest.mark.peers

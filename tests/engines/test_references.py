@@ -21,7 +21,6 @@ from torch import nn
 from hookbench import Workload
 from hookbench.engines import references
 from hookbench.gate import workload_checks
-from hookbench.measure import zero2_runs
 from hookbench.measure.faults import inject
 from hookbench.measure.parity import Tolerance
 from hookbench.models.vision import ResNet

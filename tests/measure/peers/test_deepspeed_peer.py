@@ -23,7 +23,7 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is an optional peer: pip inst
 
 from hookbench.core import launch
 from hookbench.core.prerequisites import MissingPrerequisite  # noqa: E402
-from hookbench.measure import zero2_runs  # noqa: E402
+from hookbench.measure import bounds, zero2_runs  # noqa: E402
 from hookbench.measure.peers import deepspeed_zero2  # noqa: E402
 from hookbench.models.zoo import TinySpec  # noqa: E402
 
@@ -105,7 +105,7 @@ def test_bit_for_bit_the_same_parameters_as_deepspeed(runs, name, accumulation):
 @SLOW
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_with_clipping_within_tolerance(runs, name):
-    # Within zero2_runs.TOLERANCE, not bit for bit: both scale the shard's gradient by the
+    # Within bounds.DATA_PARALLEL, not bit for bit: both scale the shard's gradient by the
     # global norm, but compute it in another order (DeepSpeed: the norm of each parameter's
     # piece, squared and summed; hookbench: the norm of the whole shard, squared) and the
     # factor by another formula (DeepSpeed g * (1 / ((norm + 1e-6) / c)), hookbench's as
@@ -117,7 +117,7 @@ def test_with_clipping_within_tolerance(runs, name):
         for norms in (got["hookbench"]["grad_norms"], got["deepspeed"]["grad_norms"]):
             assert len(norms) == STEPS and min(norms) > CLIP, (rank, norms)
         problems = deepspeed_zero2.differences(got["hookbench"], got["deepspeed"],
-                                               zero2_runs.TOLERANCE)
+                                               bounds.DATA_PARALLEL)
         assert not problems, (rank, problems)
 
 
@@ -132,7 +132,7 @@ def test_a_fault_in_hookbench_fails_the_comparison(runs, fault):
         assert not deepspeed_zero2.differences(clean["hookbench"], clean["deepspeed"])
         assert deepspeed_zero2.differences(faulty, clean["deepspeed"]), (fault, rank)
         # and not only bit for bit: also outside the tolerance
-        assert deepspeed_zero2.differences(faulty, clean["deepspeed"], zero2_runs.TOLERANCE)
+        assert deepspeed_zero2.differences(faulty, clean["deepspeed"], bounds.DATA_PARALLEL)
 
 
 # -- bf16 mixed precision -------------------------------------------------------------------------

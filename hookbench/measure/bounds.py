@@ -1,0 +1,137 @@
+"""Every bound a row is held to, in one place: each a named rule with the measurement behind it.
+
+    Tolerance           rtol and atol, as ``torch.testing.assert_close`` reads them
+    IMPLEMENTATIONS     another implementation of the same step against the for-loop
+    tolerance           IMPLEMENTATIONS' rule by strategy and dtype (None: bit for bit)
+    DATA_PARALLEL       ranks' summed gradients against one process's mean
+    AUTOCAST            two fp32 updates an ulp apart, fed through a low-precision forward
+    pure_data_parallel  the same in pure low precision: the ranks sum in that precision
+    trajectory_bound    a strategy's trajectory against its reference (the rules above, by
+                        whether the arithmetic is identical, the precision and compile)
+    data_parallel_bound ZeRO-2's and the engines' parameters against DDP and one process
+    FLOOR_FACTOR        how far another legal order may drift, in measured noise floors
+    YARDSTICK_HEADROOM  how far that noise floor may grow over the recorded one
+    STEP_TEMPORARIES    the slack of the optimizer in backward's peak over a standard step's
+
+A rule that changes is changed here; the rows name the rule they use (``hookbench.gate.rows``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hookbench.core.workload import Workload
+
+__all__ = ["AUTOCAST", "DATA_PARALLEL", "FLOOR_FACTOR", "IMPLEMENTATIONS", "STEP_TEMPORARIES",
+           "YARDSTICK_HEADROOM", "Tolerance", "data_parallel_bound", "pure_data_parallel",
+           "tolerance", "trajectory_bound"]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    rtol: float
+    atol: float
+
+
+# Paths whose arithmetic is not identical to the for-loop's. Identical arithmetic (every
+# in-backward mode with foreach=False, and the peer) is compared bit for bit instead.
+# PyTorch's own tests (test/test_optim.py) compare foreach with the for-loop in float64 at
+# rtol=atol=1e-7 and fused in low precision at 5e-3. Here a few steps of a tiny model: fp32 eps
+# is 1.2e-7, fused Adam was seen 2e-7 off per step (../shared/NOTES.md), and the gap can grow a
+# little over steps through the model's own sensitivity, hence about 100 ulps in fp32. float64
+# keeps the PyTorch test's 1e-7, which is still ~1e9 ulps of float64 headroom.
+IMPLEMENTATIONS = {
+    ("foreach", torch.float32): Tolerance(rtol=1e-5, atol=1e-6),
+    ("foreach", torch.float64): Tolerance(rtol=1e-7, atol=1e-7),
+    ("fused", torch.float32): Tolerance(rtol=1e-5, atol=1e-6),
+    ("fused", torch.float64): Tolerance(rtol=1e-7, atol=1e-7),
+}
+
+# Against single-process training on the global batch: the reduction sums the ranks' mean
+# gradients and divides by N, where the reference takes one mean over the global batch, a
+# different order of fp32 additions. DeepSpeed's own tests compare with DDP + torch Adam at
+# rtol 1e-5, atol 1e-6 over 5 steps; so does hookbench.
+DATA_PARALLEL = Tolerance(rtol=1e-5, atol=1e-6)
+
+# Under autocast two strategies whose fp32 updates differ by an ulp feed the next forward
+# weights that round to different low-precision values now and then, so their trajectories
+# drift apart by about one bf16/fp16 rounding of an activation: bf16 keeps 8 bits (eps 7.8e-3),
+# fp16 11 bits (eps 9.8e-4). A quarter of eps relative to the parameter, plus an absolute
+# floor for parameters near zero, still fails a step that went wrong (a whole lr-sized update).
+AUTOCAST = {"bf16": Tolerance(rtol=2e-3, atol=1e-4), "fp16": Tolerance(rtol=2.5e-4, atol=1e-5)}
+
+# Against the single process where DDP itself exceeds the derived tolerance: a sharded run may
+# be up to this many times as far from it as DDP is, tensor by tensor (the largest |DDP -
+# single process| of each parameter at each step, plus the tolerance). Two legal orders of the
+# same additions are not each other's mirror image; 2x lets another legal order drift as far
+# again, and a broken reduction is caught against DDP in any case. Per tensor, not per
+# element: the drift spreads over a tensor chaotically, and an element where DDP happens to
+# land near the single process has no floor of its own (timm's resnet10t, one image on each of
+# 4 ranks: the FSDP2 rows 525x per element, 0.86x per tensor).
+FLOOR_FACTOR = 2.0
+
+# How far the yardstick, |DDP - single process| step by step (``references.noise_floor``), may
+# grow over the one recorded on the trusted torch, plus the row's atol. On the same torch and
+# CPU it is the same to the bit (the arithmetic is identical); another release may sum in
+# another order, and training amplifies the difference the way it amplified the recorded one,
+# so a factor, not an absolute. 4x leaves room for that and still catches a reduction that
+# went wrong silently in both DDP and the engine judged against it (whose own row then holds
+# within the grown floor).
+YARDSTICK_HEADROOM = 4.0
+
+# The most temporaries of a parameter's size a for-loop step makes at once: Adam's with L2
+# weight decay holds the decayed gradient, the square root of its second moment and the
+# denominator made from it (torch/optim/adam.py, _single_tensor_adam). Stepped in backward,
+# they are made while activations are still live (timm's resnet10t: its largest conv, 576 KB,
+# stepped early in backward; the peak 332 KB above the standard step's).
+STEP_TEMPORARIES = 3
+
+
+def tolerance(strategy: str, dtype: torch.dtype) -> Tolerance | None:
+    """The tolerance against the for-loop for ``strategy`` in ``dtype``; None means bit-exact."""
+    # capturable computes the bias corrections from a tensor step count, in other roundings
+    # than the for-loop's Python floats: a reordering, as foreach's
+    if strategy in ("in_backward_grouped_foreach", "in_backward_bucketed", "capturable"):
+        strategy = "foreach"
+    return IMPLEMENTATIONS.get((strategy, dtype))
+
+
+def pure_data_parallel(dtype: torch.dtype) -> Tolerance:
+    """In pure low precision the ranks sum gradients in that precision, so a parameter lands a
+    rounding of its own away now and then: up to 2 ulps relative (an ulp is eps|p| just above
+    a power of two), above half a rounding of 1e-3 (bf16: 3.9e-6) for elements near zero. A
+    gradient that went wrong moves a parameter by a whole update, which is larger wherever the
+    update is larger than a rounding (the pure rows' faults: tests/measure/test_pure_precision.py)."""
+    eps = torch.finfo(dtype).eps
+    return Tolerance(rtol=2 * eps, atol=eps * 1e-3 / 2)
+
+
+def trajectory_bound(workload: Workload, identical: bool) -> Tolerance | None:
+    """A strategy's trajectory against its reference; ``identical``: the same operations in
+    the same order (None: bit for bit)."""
+    if workload.pure is not None:
+        # In pure low precision a tolerance would have to be a rounding of the parameter
+        # (bf16: 1/256 of it), which is as large as a small update: it could not fail a step
+        # that went wrong. Every pair compared so runs the same kernels on the same tensors
+        # (the for-loop in backward, the foreach modes in groups and buckets, whose kernels
+        # work per element), so bit for bit; the implementations against the for-loop are
+        # held step by step instead (``parity.stepwise``), and the recorded trajectory bit for
+        # bit (measured: the same bits on torch 2.12.1 to 2.14.1, where nothing changed).
+        return None
+    if identical and workload.compile is None:
+        return None  # the same operations in the same order: bit for bit
+    if workload.precision in AUTOCAST:
+        return AUTOCAST[workload.precision]
+    return tolerance("foreach", workload.parameter_dtype)
+
+
+def data_parallel_bound(workload: Workload) -> Tolerance:
+    """ZeRO-2's and the engines' parameters against DDP's and one process's: another order of
+    the fp32 gradient sum (and of a clipping norm), an ulp apart, which autocast turns into a
+    low-precision rounding now and then (``AUTOCAST``); in pure low precision
+    ``pure_data_parallel``."""
+    if workload.pure is not None:
+        return pure_data_parallel(workload.pure)
+    return AUTOCAST.get(workload.precision, DATA_PARALLEL)
