@@ -104,9 +104,15 @@ def check(base: dict[str, Any], now: dict[str, Any], parity: bool = True,
     row naming the exception."""
     was, here = (" ".join(filter(None, (env.get("cpu"), env["cpu_capability"])))
                  for env in (base["recorded_with"], now["recorded_with"]))
+    # torch's intra-op threads split fp32 sums, so they change the bits as a CPU does (None:
+    # a baseline of schema 1, which did not record them)
+    threads = (base["recorded_with"].get("threads"), now["recorded_with"].get("threads"))
+    notes = ([f"recorded on {was}, this CPU is {here}"] if was != here else []) + (
+        [f"recorded on {threads[0]} threads, this run has {threads[1]}"]
+        if None not in threads and threads[0] != threads[1] else [])
     run = Run(device=now.get("device", "fake"), time_slack=time_slack,
               strict_warnings=strict_warnings,
-              machine_note=f" (recorded on {was}, this CPU is {here})" if was != here else "")
+              machine_note=f" ({'; '.join(notes)})" if notes else "")
     out = {}
     for name, section in REGISTRY.items():
         known = base.get(known_failures.KEY, {}).get(name, {})

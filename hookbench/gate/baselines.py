@@ -3,7 +3,8 @@
 ``baselines/gate.json`` is what ``hookbench gate`` compares the installed torch with, and
 ``hookbench record`` is the only thing that writes it (nothing records automatically):
 
-    recorded_with  torch, CPU capability (AVX2, AVX512, ...), Python, machine
+    recorded_with  the baseline's schema (``SCHEMA``), the hookbench that wrote it, torch and
+                   its intra-op threads, CPU capability (AVX2, AVX512, ...), Python, machine
     hooks          each hook-contract check's outcome (null: it holds)
     numerics       per short deterministic trajectory: a SHA-256 of every step's parameters and
                    optimizer state, bit for bit, and the final parameters as numbers
@@ -41,10 +42,16 @@ import torch
 from hookbench.core import names
 from hookbench.measure.parity import Snapshot
 
-__all__ = ["DEFAULT", "checkpoint_folder", "environment", "fingerprint", "final_parameters",
-           "load", "save"]
+__all__ = ["DEFAULT", "SCHEMA", "checkpoint_folder", "environment", "fingerprint",
+           "final_parameters", "load", "migrate", "save"]
 
 DEFAULT = Path(names.BASELINE)  # relative to the checkout, where hookbench is run
+# The baseline's format. 1: every baseline before it was numbered (no "schema" in
+# recorded_with); 2: recorded_with also says which hookbench wrote it, its schema and torch's
+# intra-op threads (fp32 sums split over threads round differently: examples/hf's ViT is 72x
+# its tolerance away on one thread from what it trained to on two). A change to what a row
+# stores is a new number here and a step in ``migrate``.
+SCHEMA = 2
 
 
 def checkpoint_folder(baseline: str | Path = DEFAULT) -> Path:
@@ -56,9 +63,30 @@ def environment() -> dict[str, str]:
     """What a checksum depends on, and what a reader of the baseline wants to know. The CPU's
     model, not only its capability: two AVX512 Xeons were seen to round the same fp32 training
     differently (up to 3e-8 after one step), the BLAS choosing its kernels by model."""
-    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    from hookbench import __version__
+
+    return {"schema": SCHEMA, "hookbench": __version__, "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu": _cpu_model(), "python": platform.python_version(),
             "machine": platform.machine()}
+
+
+def migrate(data: dict[str, Any], path: str | Path) -> dict[str, Any]:
+    """``data`` as this hookbench's schema reads it: an older schema brought up step by step,
+    what it did not record said to be unknown (None); a newer one, or one no step reads,
+    refused in one line naming the file, never compared as if it were this one's."""
+    recorded = data["recorded_with"]
+    schema = recorded.get("schema", 1)
+    if schema == 1:  # rows as schema 2 stores them; only recorded_with lacked the facts
+        data = {**data, "recorded_with": {**recorded, "schema": 2, "hookbench": None,
+                                          "threads": None}}
+    elif schema != SCHEMA:
+        raise ValueError(f"{path}: a baseline of hookbench's schema {schema!r} (written by "
+                         f"hookbench {recorded.get('hookbench')}); this hookbench reads schema "
+                         f"{SCHEMA} and older: record it again with `hookbench record`, or "
+                         f"gate with the hookbench that wrote it")
+    return data
 
 
 def _cpu_model() -> str:
@@ -131,7 +159,7 @@ def load(path: str | Path = DEFAULT) -> dict[str, Any]:
     if wrong:
         raise ValueError(f"{path}: sections {wrong} are not tables; the file is damaged or "
                          f"from another tool")
-    return data
+    return migrate(data, path)
 
 
 def save(data: dict[str, Any], path: str | Path = DEFAULT) -> Path:

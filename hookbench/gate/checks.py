@@ -136,9 +136,10 @@ def trajectory_verdict(base: dict | None, now: dict, tol: Tolerance | None,
         return True, f"identical (sha256 {now['sha256'][:12]})"
     result = compare([final_parameters(now)], [final_parameters(base)], tol)
     # Another CPU model's kernels round reduced precision differently (bf16 autocast, Intel Xeon
-    # against AMD EPYC: 6x its tolerance after 3 steps): say so, the fix is the machine's own.
-    advice = ("; the baseline is another CPU's: record one on this machine to gate torch here"
-              if machine_note and not result.ok else "")
+    # against AMD EPYC: 6x its tolerance after 3 steps), and so do other intra-op threads: say
+    # so, the fix is the machine's own.
+    advice = ("; the baseline is another machine's: record one on this machine, with these "
+              "threads, to gate torch here" if machine_note and not result.ok else "")
     return result.ok, f"CHANGED bits{machine_note}; final parameters {result.verdict()}{advice}"
 
 

@@ -321,6 +321,11 @@ def test_a_change_within_the_slack_prints_two_different_amounts(base):
     ('{"hooks": {}}', "not a hookbench baseline"),
     ('{"recorded_with": {"torch": "2.14.1", "cpu_capability": "AVX2"}, "memory": 3}',
      "sections ['memory'] are not tables"),
+    # a schema this hookbench does not read: refused, never compared as if it were its own
+    ('{"recorded_with": {"torch": "2.14.1", "cpu_capability": "AVX2", "schema": 3, '
+     '"hookbench": "9.0"}, "memory": {}}',
+     "a baseline of hookbench's schema 3 (written by hookbench 9.0); this hookbench reads "
+     "schema 2 and older"),
 ])
 def test_a_corrupt_baseline_is_one_line_naming_the_file_and_exit_2(tmp_path, capsys, text,
                                                                     message):
@@ -559,3 +564,30 @@ def test_selfcheck_catches_every_fault_and_passes_clean(tmp_path):
            f"sections); " + (
         "the CLEAN RUN FAILS" if wrong else "the clean run passes") in proc.stdout
 
+
+
+def test_a_baseline_says_which_hookbench_wrote_it_and_an_older_schema_is_migrated(tmp_path):
+    import hookbench
+
+    recorded = gate.measure_all(("hooks",))["recorded_with"]
+    assert recorded["schema"] == baselines.SCHEMA == 2
+    assert recorded["hookbench"] == hookbench.__version__
+    assert recorded["threads"] == torch.get_num_threads()
+    # schema 1 (no number): read as schema 2, what it did not record unknown, rows as stored
+    old = tmp_path / "gate.json"
+    old.write_text(json.dumps({"recorded_with": {"torch": "2.14.1", "cpu_capability": "AVX2"},
+                               "hooks": {"a": None}}))
+    data = baselines.load(old)
+    assert data["recorded_with"] == {"torch": "2.14.1", "cpu_capability": "AVX2", "schema": 2,
+                                     "hookbench": None, "threads": None}
+    assert data["hooks"] == {"a": None}
+
+
+def test_other_threads_are_named_where_the_bits_changed(base):
+    # torch's intra-op threads split fp32 sums as another CPU does: a changed row says so
+    key, rec = next((k, v) for k, v in base["numerics"].items() if "sha256" in v)
+    changed = {**rec, "sha256": "0" * 64}
+    now = {"recorded_with": {**base["recorded_with"], "threads": 7}, "numerics": {key: changed}}
+    then = {**base, "recorded_with": {**base["recorded_with"], "threads": 2}}
+    (cells, ok), = gate.check(then, now, parity=False)["numerics"].rows
+    assert ok and "recorded on 2 threads, this run has 7" in cells[-1], cells
