@@ -43,7 +43,7 @@ from hookbench.core import names
 from hookbench.measure.parity import Snapshot
 
 __all__ = ["DEFAULT", "SCHEMA", "checkpoint_folder", "environment", "fingerprint",
-           "final_parameters", "load", "migrate", "save"]
+           "final_parameters", "load", "migrate", "same_kernels", "save"]
 
 DEFAULT = Path(names.BASELINE)  # relative to the checkout, where hookbench is run
 # The baseline's format. 1: every baseline before it was numbered (no "schema" in
@@ -70,6 +70,16 @@ def environment() -> dict[str, str]:
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu": _cpu_model(), "python": platform.python_version(),
             "machine": platform.machine()}
+
+
+def same_kernels(recorded: dict[str, Any], here: dict[str, Any]) -> bool:
+    """Whether a checksum recorded with ``recorded`` (``environment()``) can match one made
+    ``here``: the same torch, CPU, Python and machine, and the same threads where both are
+    known (a schema-1 baseline did not record them). Which hookbench wrote it does not change
+    the arithmetic."""
+    return all(recorded.get(k) == here.get(k) for k in here
+               if k not in ("schema", "hookbench")
+               and not (k == "threads" and None in (recorded.get(k), here.get(k))))
 
 
 def migrate(data: dict[str, Any], path: str | Path) -> dict[str, Any]:
