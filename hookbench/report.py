@@ -15,7 +15,7 @@ from hookbench.core import launch
 from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload
 from hookbench.gate.checks import Section, Verdict
-from hookbench.gate.workload_checks import DESIGNED, refusal, say_warnings
+from hookbench.gate.workload_checks import DESIGNED, live_verdict, refusal, say_warnings
 from hookbench.engines import references
 from hookbench.measure import bounds, zero2_runs
 from hookbench.measure.memory import (CATEGORIES, MemoryResult, format_bytes,
@@ -146,22 +146,9 @@ def workload_section(title: str, rows: dict[str, dict[str, Any]]) -> Section:
     with its reference, its refusal by design, or what is wrong with it."""
     section = Section(title, ("workload/check", "verdict"))
     for key, value in rows.items():
-        if section.add_stopped(value, key):
-            continue
-        designed = next((k for k in DESIGNED if k in value), None)
-        if designed:
-            section.add(True, key, f"{DESIGNED[designed]}: {value[designed]}")
-        elif value.get("problems"):
-            section.add(False, key, "; ".join(value["problems"]))
-        elif "records" in value:
-            section.add(True, key, f"{value['records']} of {value['calls']} module calls "
-                                   f"recorded; loss and gradients bit for bit without capture")
-        elif "against" in value:  # an engine's peak against its bound
-            section.add(True, key, value["against"] + (
-                f" (backend {value['backend']}: {value['fallback']})"
-                if value.get("fallback") else ""))
-        else:
-            section.add(True, key, value.get("parity", "the reference the others follow"))
+        if not section.add_stopped(value, key):
+            ok, words = live_verdict(key, value)
+            section.add(ok, key, words)
     say_warnings(section, rows)
     return section
 
@@ -189,12 +176,9 @@ def zero2_section(spec: Workload, backend: str, standard: MemoryResult | None,
     units: list[tuple[str, Callable[[float], str]]] = []
     if parity is not None:
         for key, value in parity.items():
-            designed = next((k for k in DESIGNED if k in value), None)
-            if designed:
-                section.add(True, key, f"{DESIGNED[designed]}: {value[designed]}")
-            elif not section.add_stopped(value, key):
-                section.add(not value.get("problems"), key,
-                            "; ".join(value["problems"]) or value["parity"])
+            if not section.add_stopped(value, key):
+                ok, words = live_verdict(key, value)
+                section.add(ok, key, words)
     progress("ZeRO-2: parity on 2 gloo ranks, fp32 and bf16 ...")
     cases = [{**case, "key": (name, "zero2", "fp32")} for name, case in zip(
         zero2_runs.PARITY_OPTIMIZERS, zero2_runs.parity_cases() if parity is None else [])]

@@ -17,6 +17,7 @@
     hookbench selfcheck     the gate under every injected fault; exits 1 unless all are caught
     hookbench speed         the whole-step table: the optimizer in backward against the standard
                             step, per implementation, interleaved
+    hookbench --version     hookbench's and torch's versions
 
 The arguments are parsed here before torch is imported (from ``hookbench.core.names``), so
 that ``--help`` and a bad argument answer at once; each subcommand then runs in a module of its
@@ -33,9 +34,17 @@ import sys
 from hookbench.cli import interrupts
 from hookbench.core import names
 
+# What ``hookbench report --sections NAME`` prints for each NAME: zero2's gloo ranks also train
+# the engines, whose section follows ZeRO-2's. The help lists these; hookbench.cli.report keys
+# its sections by them.
+REPORT_PRINTS = {**{section: (section,) for section in names.REPORT_SECTIONS},
+                 "zero2": ("zero2", "engines")}
 WORKLOAD_HELP = ("a workload by import path, package.module:attribute (a hookbench.Workload, a "
                  "list of them, or a function returning either), or a zoo model's name; "
                  "repeatable. Default: workloads in [tool.hookbench] of pyproject.toml")
+# report and capture take one, named here only (not [tool.hookbench]'s workloads)
+ONE_WORKLOAD_HELP = ("a workload by import path, package.module:attribute (a hookbench.Workload, "
+                     "or a function returning one), or a zoo model's name, in place of --model")
 
 
 def say(line: str) -> None:
@@ -43,6 +52,36 @@ def say(line: str) -> None:
     ``print`` writes the text and its newline apart, so two ranks' lines could run together."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+
+
+def version() -> str:
+    """``hookbench --version``: hookbench's and torch's versions as installed, read from their
+    packages' metadata: importing torch would take seconds."""
+    from importlib import metadata
+
+    try:
+        ours = metadata.version("hookbench")
+    except metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+        import hookbench
+
+        ours = getattr(hookbench, "__version__", "(version unknown)")
+    try:
+        torch = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch = "not installed"
+    return f"hookbench {ours} (torch {torch})"
+
+
+class _Version(argparse.Action):
+    """``--version``: the line above on stdout, exit 0; read only when asked for."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print hookbench's and torch's versions and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(version())
+        parser.exit()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,24 +98,32 @@ def main(argv: list[str] | None = None) -> int:
         description="Regression and verification suite for the PyTorch hooks behind "
                     "memory-saving training.",
     )
+    parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", required=True)
     rep = commands.add_parser(
         "report", help="verify the hook mechanisms and measure peak memory on the installed torch",
     )
     rep.add_argument("--device", choices=("auto", "cuda", "fake"), default="auto",
                      help="memory backend: cuda (allocator statistics) or fake (FakeTensorMode "
-                          "accounting, no GPU needed); auto picks cuda when present")
-    rep.add_argument("--model", choices=sorted(names.ZOO), default="vit_l_16")
-    rep.add_argument("--workload", action="append", help=WORKLOAD_HELP)
-    rep.add_argument("--batch-size", type=int, default=1)
-    rep.add_argument("--out", default="hookbench-out", help="folder for the PNG, JSON, snapshots")
+                          "accounting, no GPU needed); auto picks cuda when present (default: "
+                          "%(default)s)")
+    rep.add_argument("--model", choices=sorted(names.ZOO), default="vit_l_16",
+                     help="the zoo model to measure (default: %(default)s)")
+    rep.add_argument("--workload", action="append", help=ONE_WORKLOAD_HELP)
+    rep.add_argument("--batch-size", type=int, default=1,
+                     help="the zoo model's batch; a --workload brings its own (default: "
+                          "%(default)s)")
+    rep.add_argument("--out", default="hookbench-out",
+                     help="folder for the PNG, JSON, snapshots (default: %(default)s)")
     rep.add_argument("--sections", default=",".join(names.REPORT_SECTIONS),
-                     help=f"comma-separated, from {','.join(names.REPORT_SECTIONS)} (default: all)")
+                     help="comma-separated, from " + ", ".join(
+                         name if prints == (name,) else f"{name} (prints {' and '.join(prints)})"
+                         for name, prints in REPORT_PRINTS.items()) + " (default: all)")
     rep.set_defaults(run="report")
 
     cap = commands.add_parser("capture", help="capture a zoo model's activations, print a table")
     cap.add_argument("--model", choices=sorted(names.ZOO), default="resnet18")
-    cap.add_argument("--workload", action="append", help=WORKLOAD_HELP)
+    cap.add_argument("--workload", action="append", help=ONE_WORKLOAD_HELP)
     cap.add_argument("--batch-size", type=int, default=1)
     cap.add_argument("--include", action="append", help="module name or glob; repeatable")
     cap.add_argument("--exclude", action="append", help="module name or glob; repeatable")

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from hookbench import report
-from hookbench.cli import common
+from hookbench.cli import REPORT_PRINTS, common
 from hookbench.core import names
 from hookbench.core.prerequisites import attempt
 from hookbench.core.workload import Workload, checkpointed
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     out = common.output_dir(args.out)
     files = common.verdict_files(args)
     began = time.perf_counter()  # the whole report's (each memory row times itself)
-    sections: dict[str, checks.Section] = {}  # by report section, "engines" beside "zero2"
+    sections: dict[str, checks.Section] = {}  # keyed as REPORT_PRINTS says, which --help lists
     results, written = [], [out / "report.json"]
     own = bool(args.workload)  # a user's workload: its own rows in place of the built-in's
     if "contract" in chosen:
@@ -112,14 +112,15 @@ def run(args: argparse.Namespace) -> int:
         if results:
             written.insert(0, plot.memory_timeline(results, out / "memory.png"))
     if "zero2" in chosen:
+        zero2, engines = REPORT_PRINTS["zero2"]  # the engines train on zero2's gloo ranks
         by = {r.strategy: r for r in results}
         parity = None
         if own:
             common.progress(f"{spec.name}: ZeRO-2 on {workload_checks.ZERO2_RANKS} gloo ranks ...")
             parity = attempt(lambda: workload_checks.zero2([spec]))
             parity = parity if "error" not in parity else {f"{spec.name}/zero2": parity}
-        sections["zero2"] = report.zero2_section(spec, backend, by.get("foreach"),
-                                                 by.get("in_backward"), common.progress, parity)
+        sections[zero2] = report.zero2_section(spec, backend, by.get("foreach"),
+                                               by.get("in_backward"), common.progress, parity)
         # A zoo model's engines train the gate's tiny MLP (engines.WORKLOAD), as its ZeRO-2
         # parity rows above do: every engine with its reference and DDP beside it holds ~10
         # copies of the model's training state per rank, and ViT-L/16's 4.9 GB each got the
@@ -134,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
             parity = attempt(lambda: workload_checks.zero2([engined], with_zero2=False))
         common.progress(f"{measured.name}: FSDP2's rank 0 of {engine_memory.WORLD} on fake "
                         f"tensors ...")
-        sections["engines"] = report.workload_section(
+        sections[engines] = report.workload_section(
             f"The engines users run, on {workload_checks.ZERO2_RANKS} gloo ranks"
             + ("" if own else f" (parity on the gate's {engined.name}, "
                               f"{sum(p.numel() for p in engined.build().parameters())} "

@@ -76,7 +76,7 @@ def _zero_paper(args: argparse.Namespace) -> int:
     print("* not in the paper's table: its formula (4 Psi + 12 Psi/N, 2 Psi + 14 Psi/N)")
     print(f"wrote {plot.zero_paper(rows, out / 'zero-paper.png')}")
     far = [r for r in rows if abs(r.model_states / zero_paper.paper_bytes(r.stage, r.world) - 1)
-           > zero_paper.AGREEMENT]
+           > bounds.STATES_AGREEMENT]
     return 1 if far else 0
 
 

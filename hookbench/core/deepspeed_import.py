@@ -13,11 +13,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from hookbench.core.prerequisites import MissingPrerequisite
+from hookbench.core.prerequisites import DEEPSPEED_INSTALL, MissingPrerequisite
 
 __all__ = ["MISSING", "load"]
 
-MISSING = "deepspeed is not installed (pip install deepspeed; the peers extra)"
+MISSING = f"deepspeed is not installed ({DEEPSPEED_INSTALL}; the peers extra)"
 
 
 def load() -> Any:

@@ -15,7 +15,12 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-__all__ = ["MissingPrerequisite", "attempt", "one_line", "warnings_kept"]
+__all__ = ["DEEPSPEED_INSTALL", "MissingPrerequisite", "attempt", "one_line", "warnings_kept"]
+
+# The one command that installs DeepSpeed (the peers extra) as hookbench runs it, which every
+# message naming the install gives: beside the installed torch, which its build imports, and
+# without CUDA ops (pyproject.toml's peers extra and .ci/run run the same).
+DEEPSPEED_INSTALL = "DS_BUILD_OPS=0 pip install --no-build-isolation 'deepspeed==0.19.8'"
 
 
 class MissingPrerequisite(Exception):

@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any, Callable
 
+from hookbench.core.deepspeed_import import MISSING, load
 from hookbench.core.workload import Workload, of
 from hookbench.measure.peers import deepspeed_zero2 as peer
 from hookbench.measure.zero2_runs import local_batch
@@ -56,7 +57,7 @@ _RUNS: dict[tuple[str, ...], tuple[str, Callable[[Any], Any]]] = {
 def available() -> str | None:
     """Why the DeepSpeed row is SKIPPED here (deepspeed not installed), or None. Found without
     importing it: its import picks an accelerator for the whole process."""
-    return None if importlib.util.find_spec("deepspeed") is not None else peer.MISSING
+    return None if importlib.util.find_spec("deepspeed") is not None else MISSING
 
 
 def cannot_train(workload: Workload) -> str | None:
@@ -96,7 +97,7 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     """Train ``spec`` with DeepSpeed ZeRO-2 on this rank's share of each global batch (run on
     every rank): ``{"snapshots": [the full parameters after every step], "settings": what
     its ZeRO optimizer runs for each declared setting}``."""
-    deepspeed = peer._deepspeed()  # DS_ACCELERATOR=cpu on a gloo rank; MissingPrerequisite
+    deepspeed = load()  # DS_ACCELERATOR=cpu on a gloo rank; MissingPrerequisite
     spec = of(spec)
     model = spec.build()
     params = spec.optimizer_params(model)

@@ -32,7 +32,7 @@ the last, which the formula leaves out and is measured:
                        the peak
 
 and, when backward has ended, the live bytes but activations and temporaries (the model
-states, and anything gathered or in flight) are the model states within ``AGREEMENT``: at
+states, and anything gathered or in flight) are the model states within ``bounds.STATES_AGREEMENT``: at
 least those of the parameters that get a gradient in one process, at most those of every
 trainable parameter (``_predicted``). What
 activations and temporaries are still live then (``left``: a cache the model keeps from its
@@ -57,17 +57,14 @@ from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload
 from hookbench.engines import fsdp2
 from hookbench.engines.loop import Refused, wrapping
+from hookbench.measure.bounds import STATES_AGREEMENT
 from hookbench.measure.memory import (built, collection_paused, format_bytes, materialize,
                                       torch_log_kept)
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 
-__all__ = ["AGREEMENT", "WORLD", "rank_peak", "state_bytes"]
+__all__ = ["WORLD", "rank_peak", "state_bytes"]
 
 WORLD = 8  # rank 0 of 8 simulated ranks, as the gate's ZeRO-2 memory rows
-# How close the live bytes at the end of backward must be to the predicted model states: the
-# ZeRO table's 2% (hookbench.measure.zero_paper). Seen: equal to the byte on every model here,
-# as both count the same padded shards; the slack is for a state this count does not know.
-AGREEMENT = 0.02
 _STEPS = 2
 
 # FSDPMemTracker's categories, by the name its reference types print, in the row's words
@@ -300,11 +297,11 @@ def rank_peak(workload: Workload, setting: str, world: int = WORLD) -> dict[str,
                         + (f"; above their terms: {', '.join(over)}" if over else ""))
     # the model states must be there (a state missing is below), and nothing gathered or in
     # flight beside them (a parameter left gathered, a gradient not reduce-scattered is above)
-    if not low * (1 - AGREEMENT) <= states <= high * (1 + AGREEMENT):
+    if not low * (1 - STATES_AGREEMENT) <= states <= high * (1 + STATES_AGREEMENT):
         problems.append(f"when backward ended {b(states)} were live besides the batch, the "
                         f"buffers, activations and temporaries, not the model states' "
                         + (b(low) if low == high else f"{b(low)} to {b(high)}")
-                        + f" (within {AGREEMENT:.0%})")
+                        + f" (within {STATES_AGREEMENT:.0%})")
     held = {"zero2": "every unit"}.get(setting, "the root and two units")
     against = (f"rank 0 of {world}: peak {b(got['peak'])}, {got['peak'] / bound:.2f}x the bound "
                f"{b(bound)}: model states {b(paper)} (shards of the parameters "

@@ -9,6 +9,7 @@ from typing import Any
 
 from hookbench.core.prerequisites import attempt
 from hookbench.gate.checks import Run, Section
+from hookbench.measure.bounds import CUDA_SLACK, MEMORY_SLACK
 from hookbench.measure.memory import format_bytes, measure as measure_step
 from hookbench.models.zoo import workload as zoo_workload
 
@@ -18,12 +19,6 @@ FAULTS = ("fires_before_accumulation", "keeps_gradients_alive", "fires_late",
           "private_module_missing", "private_api_changed", "tracker_misses_allocations")
 STRATEGIES = ("foreach", "forloop", "in_backward", "in_backward_grouped_foreach", "zero2")
 ZERO2_WORLD, ZERO2_BUCKET = 8, 2**22  # rank 0 of 8 simulated ranks, 16 MB buckets
-# The fake backend counts bytes exactly, so any growth is real; 1% lets a new workspace of a
-# few hundred KB through and still catches one kept gradient (+15% on the transformer).
-SLACK = 0.01
-# The GPU tier's bound between CUDA's max_memory_allocated and the fake estimate (cuBLAS
-# workspaces, kernels' scratch space; tests/measure/test_memory.py).
-CUDA_SLACK = 0.05
 
 
 def measure(run: Run) -> dict[str, Any]:
@@ -58,7 +53,7 @@ def amounts(*ns: int) -> tuple[str, ...]:
 
 def slack_of(device: str) -> float:
     """How far a peak may move from its recorded bytes on ``device``'s backend."""
-    return SLACK if device == "fake" else CUDA_SLACK
+    return MEMORY_SLACK if device == "fake" else CUDA_SLACK
 
 
 def category_pairs(rec: dict, value: dict) -> list[tuple[str, int, int]]:

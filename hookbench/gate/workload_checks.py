@@ -1,49 +1,15 @@
 """A user's workload under hookbench: what ``hookbench gate --workload`` gates and what the
 pytest plugin asserts, measured the same way for both.
 
-For each ``hookbench.Workload`` (rows keyed ``name/what``):
-
-    name/forloop, name/foreach          its own optimizer stepped the standard way, STEPS steps:
-                                        parameters and optimizer state after every step,
-                                        fingerprinted (``baselines.fingerprint``)
-    name/in_backward                    ``OptimizerInBackward``: bit for bit the for-loop step
-                                        (identical arithmetic), within the foreach tolerance
-                                        where the model is compiled
-    name/in_backward_grouped            grouped by module, for-loop: bit for bit the for-loop
-    name/in_backward_grouped_foreach    the grouped foreach mode, within tolerance of foreach
-    name/in_backward_bucketed           DDP-style 25 MiB buckets, foreach in each: within
-                                        tolerance of foreach
-    name/zero2                          ``Zero2`` on ZERO2_RANKS gloo ranks against torch's DDP
-                                        on the same shares, bit for bit where the arithmetic is
-                                        the same, and against the for-loop step on the ranks'
-                                        shares in one process (``bounds.data_parallel_bound``, the
-                                        autocast tolerance under autocast; elements whose
-                                        gradient is at rounding level within
-                                        ``parity.NoiseBounds``; within the measured noise floor
-                                        where DDP itself exceeds that: ``references.judge``),
-                                        no gradient left on a parameter, every hook once; an
-                                        optimizer ZeRO-2 refuses is a recorded refusal
-    name/engines/<engine>               the engines users run (``hookbench.engines.verdicts``):
-                                        ddp (accumulation under ``no_sync()``), fsdp2_zero2,
-                                        fsdp2_zero3, fsdp2_in_backward, on the same ranks;
-                                        each bit for bit against DDP, the mixed-precision
-                                        reference or FSDP2 ZeRO-3 where the arithmetic is the
-                                        same, against the single process, and every engine
-                                        hook once per synced backward
-    name/capture                        ``ActivationCapture`` on the training forward: the
-                                        loss and every gradient bit for bit those without it,
-                                        one record per module call, no hook left after it
-    name/transform                      where the workload checkpoints (its selector, or the
-                                        model's own gradient_checkpointing_enable) or
-                                        offloads: one step's loss and every gradient bit for
-                                        bit the same step without the transform (``transform``)
-    name/memory/<strategy>              one step's peak on the fake backend, or on real CPU
-                                        tensors where fake ones cannot run the model (the row
-                                        names its backend; the gate compares like with like);
-                                        the optimizer in backward must not exceed the standard
-                                        step's peak (foreach, or the for-loop of an optimizer
-                                        without one), and neither it nor ZeRO-2 may hold every
-                                        gradient at once
+For each ``hookbench.Workload``, the rows ``hookbench.gate.rows.ROWS`` declares (keyed
+``name/<row>``): what each runs, what it is held to in which order, by which bound of
+``hookbench.measure.bounds``, with which extra checks, and what it refuses. Here they are
+run, in one launch of the ranks for ZeRO-2 and the engines (every result addressed by its
+(workload, row, case) key), and judged: ``judge`` against the baseline, ``live_verdict``
+against the references alone (the report). Strategy rows store a fingerprint of parameters
+and optimizer state after every one of STEPS steps (``baselines.fingerprint``); memory rows
+one step's peak on the fake backend, or on real CPU tensors where fake ones cannot run the
+model (the row names its backend; the gate compares like with like).
 
 A strategy that needs an implementation the optimizer does not have (foreach, for a class
 outside torch.optim) is a recorded row ``{"not_applicable": why}``; a broken workload (a loss
@@ -72,9 +38,10 @@ from hookbench.core.prerequisites import attempt, one_line, warnings_kept
 from hookbench.core.workload import Workload, describe
 from hookbench.gate.baselines import fingerprint
 from hookbench.gate.checks import Run, Section, trajectory_verdict
+from hookbench.gate import rows
 from hookbench.gate.memory import amount, memory_verdict
 from hookbench.engines import fsdp2, references, verdicts
-from hookbench.engines.loop import ACCUMULATION, Refused
+from hookbench.engines.loop import Refused
 from hookbench.engines.memory import rank_peak
 from hookbench.measure import zero2_runs
 from hookbench.measure.bounds import (STEP_TEMPORARIES, YARDSTICK_HEADROOM, data_parallel_bound,
@@ -83,61 +50,30 @@ from hookbench.measure.memory import MemoryResult, measure_or_fall_back
 from hookbench.measure.parity import (AGAINST_FORLOOP, Tolerance, accepts, compare,
                                       refused_here, stepwise, trajectory,
                                       without_implementation)
-from hookbench.mechanisms.zero2 import ELEMENTWISE
 
 __all__ = ["BATCHES", "DESIGNED", "MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS",
            "bucket", "capture", "engine_memory", "engine_rows", "engine_runs", "forloop_options",
-           "measure_all", "memory", "not_applicable", "refusal", "refused_words",
-           "say_warnings", "strategies", "trajectories", "transform", "zero2"]
+           "live_verdict", "measure_all", "memory", "not_applicable", "refusal",
+           "refused_words", "say_warnings", "strategies", "trajectories", "transform", "zero2"]
 
 FAULTS = None
 
-STRATEGIES = ("forloop", "foreach", "in_backward", "in_backward_grouped",
-              "in_backward_grouped_foreach", "in_backward_bucketed")
-# Against what each strategy's parameters are compared, and whether the arithmetic is identical.
-_REFERENCE = {"foreach": ("forloop", False), "in_backward": ("forloop", True),
-              "in_backward_grouped": ("forloop", True),
-              "in_backward_grouped_foreach": ("foreach", False),
-              "in_backward_bucketed": ("foreach", False), "fused": ("forloop", False),
-              "capturable": ("forloop", False)}
-# The strategies that need the optimizer's foreach implementation; with a class that has none
-# (an optimizer outside torch.optim) they do not apply, and the bucketed mode steps each bucket
-# with the class's for-loop, bit for bit the for-loop step.
-_FOREACH = ("foreach", "in_backward_grouped_foreach")
-MEMORY_STRATEGIES = ("foreach", "in_backward", "zero2")
-STEPS = 3
-# The most batches a row draws (the engines' micro-batches): ``Workload.check`` runs them all
-BATCHES = STEPS * ACCUMULATION
+STRATEGIES, MEMORY_STRATEGIES = rows.STRATEGIES, rows.MEMORY_STRATEGIES
+STEPS, BATCHES, ZERO2_RANKS = rows.STEPS, rows.BATCHES, rows.ZERO2_RANKS
+not_applicable, refusal = rows.not_applicable, rows.refusal
 # Elements of each parameter stored for the comparison on another CPU (with its float64 norm):
 # a user's model stored whole would make the baseline as large as the model.
 SAMPLE = 64
-ZERO2_RANKS = 2
 ZERO2_MEMORY_WORLD = 8  # rank 0 of 8 simulated ranks, as the gate's zoo rows
-def not_applicable(workload: Workload, strategy: str) -> str | None:
-    """Why ``strategy`` does not apply to the workload's optimizer, or None. The words name
-    the class, not the torch release, so that a recorded row stays the same across releases."""
-    cls = workload.optimizer[0]
-    for option, needs in (("foreach", _FOREACH), ("fused", ("fused",))):
-        if strategy in needs and not accepts(cls, option):
-            return (f"{cls.__module__}.{cls.__qualname__} takes no {option} option (its "
-                    f"for-loop is its only implementation)")
-    return None
-
-
 def strategies(workload: Workload) -> tuple[str, ...]:
-    """``STRATEGIES``, and after "foreach" "fused" and "capturable" where the workload's
-    options name them."""
-    given = tuple(flag for flag in ("fused", "capturable") if workload.optimizer[1].get(flag))
-    at = STRATEGIES.index("foreach") + 1
-    return (*STRATEGIES[:at], *given, *STRATEGIES[at:])
+    """The strategy rows of ``workload`` (``rows.STRATEGY_ROWS``): ``STRATEGIES``, and after
+    "foreach" "fused" and "capturable" where the workload's options name them."""
+    return tuple(r.name for r in rows.STRATEGY_ROWS if r.only_if(workload))
 
 
 def _reference(workload: Workload, strategy: str) -> tuple[str, bool] | None:
-    if strategy == "in_backward_bucketed" and not accepts(workload.optimizer[0], "foreach"):
-        return "forloop", True
-    if strategy == "in_backward_bucketed" and workload.optimizer[1].get("fused"):
-        return "fused", False  # its buckets step with the user's fused kernel
-    return _REFERENCE.get(strategy)
+    held_to = rows.ROWS[strategy].references_for(workload)
+    return (held_to[0].run, held_to[0].exact) if held_to else None
 
 
 def forloop_options(workload: Workload) -> dict[str, Any]:
@@ -147,33 +83,6 @@ def forloop_options(workload: Workload) -> dict[str, Any]:
     cls, kwargs = workload.optimizer
     options = without_implementation(kwargs)
     return {**options, "foreach": False} if accepts(cls, "foreach") else options
-
-
-def refusal(workload: Workload, strategy: str) -> str | None:
-    """Why ``strategy`` refuses ``workload`` by design, or None."""
-    cls = workload.optimizer[0]
-    sparse = verdicts.sparse_gradients(workload) if strategy == "zero2" else None
-    if sparse:
-        return (f"ZeRO-2 refuses sparse gradients: it reduces flat dense buckets, and "
-                f"{sparse} makes sparse ones")
-    if strategy == "zero2" and cls not in ELEMENTWISE:
-        return (f"ZeRO-2 refuses {cls.__name__}: it steps 1-D pieces of parameters, and "
-                f"{cls.__name__} is not known to update them elementwise")
-    reentrant = ("refuses reentrant checkpointing: its nested backward fires the hook of a "
-                 "parameter used inside and outside a checkpoint once in each")
-    if strategy == "zero2" and workload.use_reentrant:
-        return f"ZeRO-2 {reentrant}, after its bucket may have been reduced"
-    if not strategy.startswith("in_backward"):
-        return None
-    if workload.use_reentrant:
-        return f"the optimizer in backward {reentrant}, stepping it twice"
-    if workload.precision == "fp16":
-        return ("the optimizer in backward refuses fp16: a GradScaler must see every gradient "
-                "before any parameter is stepped")
-    if workload.clip_grad_norm is not None:
-        return ("the optimizer in backward refuses global gradient-norm clipping: the norm "
-                "needs every gradient before any parameter is stepped")
-    return None
 
 
 # The rows of a designed outcome, and what each says.
@@ -362,7 +271,7 @@ def _engine_rows(w: Workload, kwargs: dict[str, Any], stopped: dict[str, dict[st
                 rows[engine] = {"refused": refused_words(row["refused"])}
         # the optimizer in backward under FSDP2 refuses what it refuses on one device
         got = rows.get("fsdp2_in_backward", {})
-        why = refusal(w, "in_backward") or (fsdp2.repeated_units(w) if got else None)
+        why = rows.ROWS["engines/fsdp2_in_backward"].refuses(w) if got else None
         if "torch_refuses" in got:
             pass  # FSDP2 itself would not wrap the model: nothing was stepped
         elif why and "refused" not in got and "fsdp2_in_backward" in rows:
@@ -611,7 +520,7 @@ def engine_memory(workload: Workload) -> dict[str, dict[str, Any]]:
     on_cpu = fsdp2.cannot_train_on_cpu()
     stopped = {**{f"fsdp2_{s}": {"error": on_cpu} for s in fsdp2.SETTINGS if on_cpu},
                **{e: {"not_applicable": why} for e, why in
-                  verdicts.not_applicable(workload, STEPS, ZERO2_RANKS).items()}}
+                  rows.engines_not_applicable(workload).items()}}
     # The engines' optimizer: the for-loop, as on their trajectory rows (a fused kernel has no
     # DTensor sharding strategy on FSDP2's shards).
     eager = workload.replace(compile=None, optimizer=(workload.optimizer[0],
@@ -622,8 +531,7 @@ def engine_memory(workload: Workload) -> dict[str, dict[str, Any]]:
         if f"fsdp2_{setting}" in stopped:
             out[key] = stopped[f"fsdp2_{setting}"]
             continue
-        if setting == "in_backward" and (refusal(workload, "in_backward")
-                                         or fsdp2.repeated_units(workload)):
+        if rows.ROWS[f"memory/fsdp2_{setting}"].refuses(workload):
             continue  # its trajectory row checks the refusal
 
         def one(setting: str = setting) -> dict[str, Any]:
@@ -714,7 +622,7 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
     for key, value in now.items():
         if section.add_stopped(value, key):
             continue
-        rec = base.get(key)
+        rec, kind = base.get(key), rows.row(key).kind
         designed = next((k for k in DESIGNED if k in value), None)
         if designed:  # a refusal or an option that does not apply: recorded, and must stay so
             ok = rec is not None and rec.get(designed) == value[designed]
@@ -726,7 +634,7 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
                                 "a run")))
         elif value.get("problems"):
             section.add(False, key, "; ".join(value["problems"]))
-        elif "peak" in value:
+        elif kind == "memory":
             # like with like: a fake-backend baseline is not compared with real tensors
             was, now_on = (rec or {}).get("backend", "fake"), value.get("backend", "fake")
             ok, verdict = (memory_verdict(rec, value, "fake") if was == now_on else (
@@ -735,9 +643,9 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
             section.add(ok, key, f"peak {amount(value['peak'])}, backend {now_on}: "
                                  f"{verdict}{fallback}"
                         + (f"; {value['against']}" if "against" in value else ""))
-        elif "transform" in value:  # live: the transformed step against the plain one
+        elif kind == "transform":  # live: the transformed step against the plain one
             section.add(True, key, value["transform"])
-        elif "records" in value:  # capture: a module call more or less is a changed model
+        elif kind == "capture":  # a module call more or less is a changed model
             ok = rec is not None and rec.get("records") == value["records"]
             section.add(ok, key, f"{value['records']} of {value['calls']} module calls "
                         f"recorded, training unchanged: " + ("identical" if ok else
@@ -754,6 +662,26 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
     for key in sorted(k for k in set(base) - set(now) if k.split("/")[0] in names):
         section.add(False, key, "recorded, but not measured now (re-record on purpose)")
     return section
+
+
+def live_verdict(key: str, value: dict[str, Any]) -> tuple[bool, str]:
+    """A row judged now, against its references only (``hookbench report``, ``hookbench
+    engines``): its designed outcome, its problems, or what it was held to, in words."""
+    designed = next((k for k in DESIGNED if k in value), None)
+    if designed:
+        return True, f"{DESIGNED[designed]}: {value[designed]}"
+    if value.get("problems"):
+        return False, "; ".join(value["problems"])
+    kind = rows.row(key).kind
+    if kind == "capture":
+        return True, (f"{value['records']} of {value['calls']} module calls recorded; loss "
+                      f"and gradients bit for bit without capture")
+    if kind == "transform":
+        return True, value["transform"]
+    if "against" in value:  # an engine's peak against its bound
+        return True, value["against"] + (f" (backend {value['backend']}: {value['fallback']})"
+                                         if value.get("fallback") else "")
+    return True, value.get("parity", "the reference the others follow")
 
 
 def say_warnings(section: Section, now: dict[str, Any]) -> None:

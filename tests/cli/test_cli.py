@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hookbench.cli import main
+import hookbench
+from hookbench.cli import REPORT_PRINTS, main
+from hookbench.core import names
 from hookbench.measure.faults import inject
 from hookbench.measure.parity import FAMILIES
 from hookbench.report import MEMORY_STRATEGIES, SAVING_ROWS
@@ -77,6 +79,53 @@ def test_console_script_is_installed():
     script = Path(sys.executable).parent / "hookbench"  # installed beside this interpreter
     proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "report" in proc.stdout
+
+
+def test_version_names_hookbench_and_torch():
+    script = Path(sys.executable).parent / "hookbench"
+    proc = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # torch's package version: 2.14.1 where torch.__version__ is 2.14.1+cu130
+    assert re.fullmatch(rf"hookbench {re.escape(hookbench.__version__)} \(torch "
+                        rf"{re.escape(torch.__version__.split('+')[0])}(\+\S+)?\)\n",
+                        proc.stdout), proc.stdout
+
+
+def test_report_help_gives_the_defaults_and_every_section_it_prints(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["report", "--help"])
+    assert e.value.code == 0
+    said = " ".join(capsys.readouterr().out.split()).split(" options: ", 1)[1]  # unwrapped
+    assert "the zoo model to measure (default: vit_l_16)" in said
+    assert "(default: 1)" in said.split("--batch-size BATCH_SIZE", 1)[1].split("--out")[0]
+    sections = said.split("--sections SECTIONS", 1)[1].split("--junit-xml")[0]
+    assert list(REPORT_PRINTS) == list(names.REPORT_SECTIONS)
+    printed = [name for prints in REPORT_PRINTS.values() for name in prints]
+    assert "engines" in printed and all(name in sections for name in printed), sections
+
+
+def test_report_zero2_prints_the_sections_its_help_names(capsys, monkeypatch, tmp_path):
+    # the sections `--sections zero2` prints, by their keys (the JUnit file's suites), without
+    # the ranks: each section's rows stubbed
+    from hookbench import report
+    from hookbench.gate import workload_checks
+    from hookbench.gate.checks import Section
+
+    def section(*args, **kwargs):
+        done = Section("ZeRO-2 (stubbed)", ("check", "verdict"))
+        done.add(True, "stub", "ok")
+        return done
+
+    monkeypatch.setattr(report, "zero2_section", section)
+    monkeypatch.setattr(workload_checks, "zero2", lambda workloads, **kwargs: {
+        f"{w.name}/engines/ddp": {"parity": "ok"} for w in workloads})
+    monkeypatch.setattr(workload_checks, "engine_memory", lambda spec: {})
+    junit = tmp_path / "report.xml"
+    assert main([*ARGS, "--sections", "zero2", "--out", str(tmp_path),
+                 "--junit-xml", str(junit)]) == 0
+    suites = re.findall(r'<testsuite name="([^"]+)"', junit.read_text())
+    assert tuple(suites) == REPORT_PRINTS["zero2"]
+    assert "The engines users run" in capsys.readouterr().out
 
 
 def test_capture_prints_a_per_layer_table(capsys):
@@ -298,7 +347,7 @@ def test_a_missing_baseline_is_one_line_and_exit_2_saying_what_to_do(capsys, tmp
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["gate", "--help"], ["report", "--batch-size", "0"],
-                                  ["gate", "--fault", "nope"]])
+                                  ["gate", "--fault", "nope"], ["--version"]])
 def test_help_and_bad_arguments_answer_before_torch_is_imported(argv):
     # `hookbench --help` took 5-6 s when the parser imported torch first (2 loaded cores); it
     # now parses from hookbench.core.names and imports the subcommands only to run one.
@@ -307,6 +356,7 @@ def test_help_and_bad_arguments_answer_before_torch_is_imported(argv):
             "assert 'torch' not in sys.modules, 'torch imported'\nsys.exit(code)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)
-    assert proc.returncode == (0 if argv[-1] == "--help" else 2), proc.stderr[-2000:]
-    assert ("usage: hookbench" in proc.stdout if argv[-1] == "--help"
-            else len(proc.stderr.strip().splitlines()) == 1)
+    answered = argv[-1] in ("--help", "--version")
+    assert proc.returncode == (0 if answered else 2), proc.stderr[-2000:]
+    assert ({"--help": "usage: hookbench", "--version": "hookbench "}[argv[-1]] in proc.stdout
+            if answered else len(proc.stderr.strip().splitlines()) == 1)

@@ -23,3 +23,16 @@ def test_an_exception_without_a_message_says_where_it_was_raised():
         f"{_bare_assert.__code__.co_firstlineno + 1}")
     # never raised, so nowhere to point at: the type alone
     assert one_line(AssertionError()) == "AssertionError: "
+
+
+def test_every_deepspeed_install_command_is_the_one_ci_runs():
+    # The skip messages, pyproject.toml's peers comment and .ci/run give one command.
+    from pathlib import Path
+
+    from hookbench.core.deepspeed_import import MISSING
+    from hookbench.core.prerequisites import DEEPSPEED_INSTALL
+
+    root = Path(__file__).resolve().parent.parent.parent
+    assert DEEPSPEED_INSTALL in MISSING
+    assert DEEPSPEED_INSTALL.split("pip ", 1)[1] in (root / ".ci" / "run").read_text()
+    assert f"# {DEEPSPEED_INSTALL}" in (root / "pyproject.toml").read_text()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hookbench.measure import zero_paper
+from hookbench.measure import bounds, zero_paper
 from hookbench.measure.faults import inject
 
 
@@ -29,9 +29,9 @@ def test_the_model_has_the_papers_size():
 def test_model_states_are_the_papers_within_2_percent(rows, stage, world):
     r = rows[stage, world]
     paper = zero_paper.PAPER[world][max(stage, 1) - 1] * 1e9  # the table's own (rounded) figure
-    assert r.model_states == pytest.approx(paper, rel=zero_paper.AGREEMENT)
+    assert r.model_states == pytest.approx(paper, rel=bounds.STATES_AGREEMENT)
     assert r.model_states == pytest.approx(zero_paper.paper_bytes(stage, world),
-                                           rel=zero_paper.AGREEMENT)
+                                           rel=bounds.STATES_AGREEMENT)
     # By category, as the paper counts them (Psi parameters, K = 12): bf16 parameters on every
     # rank, bf16 gradients whole (data parallel, stage 1) or sharded (stage 2), fp32 masters and
     # Adam's two moments sharded but for data parallelism.
@@ -47,4 +47,4 @@ def test_a_rank_that_keeps_its_gradients_is_off_the_table():
     # The check can fail: gradients held after their bucket was reduced add 2 Psi to stage 2.
     with inject("keeps_gradients_alive"):
         r = zero_paper._measure(2, 64, zero_paper.GPT_7_5B)
-    assert r.model_states > zero_paper.paper_bytes(2, 64) * (1 + zero_paper.AGREEMENT)
+    assert r.model_states > zero_paper.paper_bytes(2, 64) * (1 + bounds.STATES_AGREEMENT)

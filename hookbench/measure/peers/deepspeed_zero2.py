@@ -43,23 +43,22 @@ does that DeepSpeed does not are done here on its side:
     Lockstep / follow   DeepSpeed steps led by rank 0, as ``zero2_runs.Lockstep`` (for
                         pytest-benchmark, beside the same for Zero2)
 
-Needs the ``peers`` extra (``pip install -e '.[peers]'``, i.e. deepspeed); without it, every
-entry point raises ``hookbench.core.prerequisites.MissingPrerequisite``. The module itself imports
-without deepspeed.
+Needs deepspeed (the ``peers`` extra), installed by ``prerequisites.DEEPSPEED_INSTALL``'s
+command; without it, every entry point raises ``hookbench.core.prerequisites.MissingPrerequisite``.
+The module itself imports without deepspeed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from hookbench.core.prerequisites import MissingPrerequisite
+from hookbench.core.deepspeed_import import MISSING, load
 from hookbench.core.workload import of
 from hookbench.measure import zero2_runs
 from hookbench.measure.memory import StorageTracker
@@ -69,41 +68,6 @@ from hookbench.mechanisms.zero2 import Zero2, _cast_inputs
 __all__ = ["MISSING", "Lockstep", "bf16_valued", "config", "differences", "engine", "follow",
            "master_differences", "memory_cases", "peer_cases", "rank_memory", "step_times",
            "trajectory", "zero2_trajectory"]
-
-MISSING = "deepspeed is not installed (pip install deepspeed; the peers extra)"
-
-
-def _deepspeed() -> Any:
-    """Import deepspeed for a gloo (CPU) rank, or raise ``MissingPrerequisite``.
-
-    On a rank (torch.distributed initialised) DeepSpeed gets what its launcher would set:
-    ``DS_ACCELERATOR=cpu`` (its CPU accelerator, whose communication backend falls back to gloo
-    where oneCCL's bindings are absent) and RANK/LOCAL_RANK/WORLD_SIZE; the CPU accelerator
-    reads LOCAL_RANK. Outside a rank nothing is set, so a caller's environment is untouched.
-    """
-    if dist.is_initialized():
-        if dist.get_backend() != "gloo":
-            raise ValueError(f"the DeepSpeed peer runs on gloo ranks (DS_ACCELERATOR=cpu); "
-                             f"this group is {dist.get_backend()}")
-        os.environ["DS_ACCELERATOR"] = "cpu"
-        os.environ.setdefault("RANK", str(dist.get_rank()))
-        os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
-        os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
-    try:
-        import deepspeed
-    except ImportError as e:
-        if e.name == "deepspeed":
-            raise MissingPrerequisite(MISSING) from e
-        raise MissingPrerequisite(f"deepspeed does not import: {type(e).__name__}: {e}") from e
-    if dist.is_initialized():
-        from deepspeed.accelerator import get_accelerator
-
-        if get_accelerator().device_name() != "cpu":  # chosen at import, before we could
-            raise ValueError(f"deepspeed was imported in this process with the "
-                             f"{get_accelerator().device_name()} accelerator; the peer needs "
-                             f"DS_ACCELERATOR=cpu before deepspeed is first imported")
-    return deepspeed
-
 
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 
@@ -176,7 +140,7 @@ def _build(spec: Any, optimizer_class: type, kwargs: dict, bucket_numel: int,
            accumulation: int = 1, clipping: float = 0.0) -> tuple[Any, dict | None]:
     """A DeepSpeed engine on this rank (a collective), with its own fp32 masters; and, in
     mixed precision, the model's original fp32 values by name (None in fp32)."""
-    deepspeed = _deepspeed()
+    deepspeed = load()
     spec = _fp32(spec)
     kwargs, param_dtype, reduce_dtype = _precision(kwargs)
     model = spec.build()
@@ -433,7 +397,7 @@ def _deepspeed_memory(spec: Any, optimizer_class: type, kwargs: dict, bucket_num
     precision (``kwargs`` with ``param_dtype``): DeepSpeed's bf16 mode (``config``), inputs
     cast as Zero2 casts them; the parameters are then bf16, the fp32 partition the masters.
     """
-    deepspeed = _deepspeed()
+    deepspeed = load()
     spec = _fp32(spec)
     kwargs, param_dtype, reduce_dtype = _precision(kwargs)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -514,7 +478,7 @@ def rank_memory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs:
     DeepSpeed's is the same tracker and protocol around its engine (``_deepspeed_memory``)."""
     from hookbench.measure.memory import measure
 
-    _deepspeed()  # refuse before measuring anything
+    load()  # refuse before measuring anything
     ours = measure(spec, "zero2", optimizer_class=optimizer_class, backend="eager",
                    optimizer_kwargs={**kwargs, "bucket_numel": bucket_numel}, warmup=warmup,
                    round_to=round_to)

@@ -18,8 +18,9 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("deepspeed", reason="DeepSpeed is an optional peer: pip install -e "
-                                        "'.[peers]' (with DS_BUILD_OPS=0)")
+from hookbench.core.deepspeed_import import MISSING  # noqa: E402
+
+pytest.importorskip("deepspeed", reason=MISSING)
 
 from hookbench.core import launch
 from hookbench.core.prerequisites import MissingPrerequisite  # noqa: E402
