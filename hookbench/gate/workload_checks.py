@@ -261,35 +261,35 @@ def _engine_rows(w: Workload, kwargs: dict[str, Any], stopped: dict[str, dict[st
     """``name/engines/<engine>`` rows: a fingerprint of rank 0's parameters, the verdict."""
     def judged() -> dict[str, dict[str, Any]]:
         t = data_parallel_bound(w)
-        rows = verdicts.judge(w, ran, kwargs, STEPS, world, t)
-        for engine, row in rows.items():
+        by_engine = verdicts.judge(w, ran, kwargs, STEPS, world, t)
+        for engine, row in by_engine.items():
             if "snapshots" in row:
                 snapshots = row.pop("snapshots")
-                rows[engine] = {**fingerprint(snapshots, SAMPLE), **row,
-                                "tolerance": {"rtol": t.rtol, "atol": t.atol}}
+                by_engine[engine] = {**fingerprint(snapshots, SAMPLE), **row,
+                                     "tolerance": {"rtol": t.rtol, "atol": t.atol}}
             elif "refused" in row:
-                rows[engine] = {"refused": refused_words(row["refused"])}
+                by_engine[engine] = {"refused": refused_words(row["refused"])}
         # the optimizer in backward under FSDP2 refuses what it refuses on one device
-        got = rows.get("fsdp2_in_backward", {})
+        got = by_engine.get("fsdp2_in_backward", {})
         why = rows.ROWS["engines/fsdp2_in_backward"].refuses(w) if got else None
         if "torch_refuses" in got:
             pass  # FSDP2 itself would not wrap the model: nothing was stepped
-        elif why and "refused" not in got and "fsdp2_in_backward" in rows:
+        elif why and "refused" not in got and "fsdp2_in_backward" in by_engine:
             got.setdefault("problems", []).append(f"trained the workload; it must refuse ({why})")
         elif not why and "refused" in got:
-            rows["fsdp2_in_backward"] = {"problems": [f"refused: {got['refused']}"]}
-        return rows
+            by_engine["fsdp2_in_backward"] = {"problems": [f"refused: {got['refused']}"]}
+        return by_engine
 
     said: list[str] = []
     with warnings_kept(said):  # the single process's, while judging
-        rows = attempt(judged)
-    if said and "error" not in rows and "skipped" not in rows:
-        for row in rows.values():
+        by_engine = attempt(judged)
+    if said and "error" not in by_engine and "skipped" not in by_engine:
+        for row in by_engine.values():
             row["warnings"] = [*row.get("warnings", []),
                                *(w for w in said if w not in row.get("warnings", []))]
-    if "error" in rows or "skipped" in rows:  # the judging itself stopped: every row says so
-        return {f"{w.name}/engines/{e}": rows for e in engines}
-    return {f"{w.name}/engines/{e}": stopped.get(e) or rows[e] for e in engines}
+    if "error" in by_engine or "skipped" in by_engine:  # the judging stopped: every row says so
+        return {f"{w.name}/engines/{e}": by_engine for e in engines}
+    return {f"{w.name}/engines/{e}": stopped.get(e) or by_engine[e] for e in engines}
 
 
 def capture(workload: Workload) -> dict[str, dict[str, Any]]:
@@ -603,8 +603,7 @@ def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str
     for w in workloads:
         out.update(capture(w))
         out.update(transform(w))
-        rows = memory(w)
-        out.update(rows)
+        out.update(memory(w))
         out.update(engine_memory(w))
     return out
 
