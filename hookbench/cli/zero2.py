@@ -135,8 +135,10 @@ def run(args: argparse.Namespace) -> int:
                   f"{args.steps} steps of {cls.__name__}, bucket {case['bucket_numel']} "
                   f"elements; memory of a step on each rank (real tensors):")
             _print_memory(ranks)
+            got = [r["zero2"] for r in ranks]
             row = attempt(lambda: workload_checks.zero2_row(
-                spec, case, [r["zero2"] for r in ranks], [r["ddp"] for r in ranks], world))
+                spec, case, got, [r["ddp"] for r in ranks],
+                workload_checks.zero2_references(spec, case, got, world), world))
             section = report.workload_section(
                 f"ZeRO-2 against torch's DDP on the same {world} ranks and the single process",
                 {f"{spec.name}/zero2": row})

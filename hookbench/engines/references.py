@@ -11,6 +11,9 @@ to in the report, the gate and the pytest plugin, which only ask for a verdict h
                      losses, each on its share; the second yardstick, with the bounds of the
                      elements whose gradient is at rounding level (``parity.NoiseBounds``),
                      from a float64 run where float64 can run the model
+    measure          a workload's references (``Measured``), each measured once before any
+                     row is judged: the single process, and the mixed-precision reference
+                     where an engine computes in low precision
     noise_floor      per step and element, |DDP - single process|: how far two legal
                      references drift apart on this workload (another order of the same fp32
                      additions; BatchNorm over small shares amplifies it step by step)
@@ -28,6 +31,7 @@ reduction (a wrong slice, a bf16 round trip) fails at once, however noisy the mo
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,8 +45,8 @@ from hookbench.measure.faults import inject
 from hookbench.measure.parity import (NoiseBounds, Snapshot, Tolerance, compare,
                                       parameters_only, rounding_level, training)
 
-__all__ = ["ENGINE_RUNS", "Key", "arithmetic_differs", "ddp_beside", "floor_bounds", "gathered",
-           "judge", "largest", "noise_floor", "ranks", "single_process"]
+__all__ = ["ENGINE_RUNS", "Key", "Measured", "arithmetic_differs", "ddp_beside", "floor_bounds", "gathered",
+           "judge", "largest", "measure", "noise_floor", "ranks", "single_process"]
 
 # A case's address in a launch: (workload, row, case), e.g. ("mlp", "engines/ddp", "ddp")
 Key = tuple[str, str, str]
@@ -132,6 +136,30 @@ def single_process(workload: Workload, optimizer_class: type, kwargs: dict[str, 
             run.step_on(batches, keys)
             snapshots.append(run.snapshot())
     return parameters_only(snapshots), None if noise is None else noise.steps, why
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One workload's references for its data-parallel rows: ``single_process``'s parameters
+    after every step (``single``), its rounding-level bounds (None where float64 cannot run
+    the model, and ``why``), and ``zero2_runs.mixed_reference``'s fp32 masters after every
+    step by (compute, reduce) dtypes, for each pair an engine computes in (``mixed``)."""
+    single: list[Snapshot]
+    rounding: list[Snapshot] | None
+    why: str
+    mixed: dict[tuple[torch.dtype, torch.dtype], list[Snapshot]] = field(default_factory=dict)
+
+
+def measure(workload: Workload, kwargs: dict[str, Any], steps: int, world: int,
+            accumulation: int = 1, mixed: tuple[tuple[torch.dtype, torch.dtype], ...] = ()
+            ) -> Measured:
+    """The references of ``workload`` trained with its optimizer class and ``kwargs`` on
+    ``world`` ranks' shares, ``accumulation`` micro-batches per step, measured once."""
+    cls = workload.optimizer[0]
+    single, rounding, why = single_process(workload, cls, kwargs, steps, world, accumulation)
+    return Measured(single, rounding, why, {dtypes: zero2_runs.mixed_reference(
+        workload, cls, kwargs, steps, world, *dtypes, accumulation=accumulation,
+        clipping=workload.clip_grad_norm or 0.0)["master_steps"] for dtypes in mixed})
 
 
 def noise_floor(a: list[Snapshot], b: list[Snapshot]) -> list[Snapshot]:

@@ -167,16 +167,34 @@ def _ranks_agree(got: list[dict[str, Any]]) -> list[str]:
             if not compare(g["snapshots"], got[0]["snapshots"]).bit_exact]
 
 
-def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict[str, Any],
-          steps: int, world: int, tol: Tolerance) -> dict[str, dict[str, Any]]:
-    """Each engine's row from its ranks' results (``got``: engine -> per-rank results):
-    ``problems``, ``parity`` (what was compared, in words) and ``snapshots`` (rank 0's), or a
-    designed outcome (``refused``: hookbench's; ``torch_refuses``: torch would not wrap it)."""
+def _trained(ranks: list[dict[str, Any]]) -> bool:
+    return not any(r.get("error") for r in ranks) and not (
+        "refused" in ranks[0] or "torch_refuses" in ranks[0])
+
+
+def measure_references(workload: Workload, got: dict[str, list[dict[str, Any]]],
+                       kwargs: dict[str, Any], steps: int, world: int) -> references.Measured:
+    """The references ``judge`` holds the engines in ``got`` to, each measured once: the
+    single process with the engines' accumulation, and the mixed-precision reference in the
+    dtypes FSDP2 computes and reduces in, where not the shards' (hookbench's policy under bf16,
+    or the one the workload declares: ``Workload.fsdp2``) and an FSDP2 engine trained."""
+    dtypes = fsdp2.mixed_dtypes(workload)
+    trained = {e for e, ranks in got.items() if _trained(ranks)}
+    mixed = {dtypes for e in trained if dtypes and e in ("fsdp2_zero2", "fsdp2_zero3")} | {
+        (torch.bfloat16, torch.float32) for e in trained
+        if e == "deepspeed_zero2" and workload.precision == "bf16"}
+    return references.measure(workload, kwargs, steps, world, ACCUMULATION, tuple(mixed))
+
+
+def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], measured: references.Measured,
+          world: int, tol: Tolerance) -> dict[str, dict[str, Any]]:
+    """Each engine's row from its ranks' results (``got``: engine -> per-rank results) and the
+    references measured for them (``measure_references``): ``problems``, ``parity`` (what was
+    compared, in words) and ``snapshots`` (rank 0's), or a designed outcome (``refused``:
+    hookbench's; ``torch_refuses``: torch would not wrap it)."""
     with torch.device("meta"):
         trainable = [n for n, p in workload.build().named_parameters() if p.requires_grad]
-    cls = workload.optimizer[0]
-    single, rounding, why = references.single_process(workload, cls, kwargs, steps, world,
-                                                      accumulation=ACCUMULATION)
+    single, rounding, why = measured.single, measured.rounding, measured.why
     # FSDP2 is never DDP's arithmetic: it computes on gathered copies of the parameters (other
     # tensors, so other kernels may run: seen 5.4e-07 on a diffusers UNet's conv_in after one
     # step) and reduce-scatters its own buckets; and a unit run several times per forward (a
@@ -212,15 +230,7 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
     if hook is not None and "ddp" in snaps:  # the arithmetic the other engines share with DDP
         snaps["ddp"] = got["ddp"][0]["plain"]
     mixed = workload.precision == "bf16"
-    # the dtypes FSDP2 computes and reduces in, where not the shards': hookbench's policy under
-    # bf16, or the one the workload declares (Workload.fsdp2)
     fsdp2_dtypes = fsdp2.mixed_dtypes(workload)
-
-    @functools.cache
-    def mixed_ref(dtypes: tuple[torch.dtype, torch.dtype]) -> list[dict[str, torch.Tensor]]:
-        return zero2_runs.mixed_reference(
-            workload, cls, kwargs, steps, world, *dtypes, accumulation=ACCUMULATION,
-            clipping=workload.clip_grad_norm or 0.0)["master_steps"]
     for engine, row in out.items():
         if "snapshots" not in row:
             continue
@@ -285,7 +295,8 @@ def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], kwargs: dict
             # bit: the same arithmetic on Llama, not on a checkpointed LayerNorm model
             # (charlm-bf16-ckpt: 1.9e-4 on norm.bias, an Adam step on a gradient at rounding
             # level), so bit-exactness is reported, not required
-            result = compare(row["snapshots"], mixed_ref(dtypes), tol, rounding)
+            assert dtypes in measured.mixed, f"no {dtypes} reference measured for {engine}"
+            result = compare(row["snapshots"], measured.mixed[dtypes], tol, rounding)
             reduced = "" if dtypes[1] == torch.float32 else f", {_short(dtypes[1])} reductions"
             words.append(f"fp32 shards vs one process with {_short(dtypes[0])} parameters"
                          f"{reduced} and fp32 masters: {result.verdict()}")

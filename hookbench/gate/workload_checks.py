@@ -179,9 +179,11 @@ def zero2_case(workload: Workload, fault: str | None = None, steps: int = STEPS
 
 
 def zero2_row(workload: Workload, case: dict[str, Any], got: list[dict[str, Any]],
-              ddp: list[dict[str, Any]], world: int = ZERO2_RANKS) -> dict[str, Any]:
-    """ZeRO-2's row from what each rank returned for ``case`` (``got``) and for DDP's case
-    beside it (``ddp``): refused as designed, or judged against DDP and the single process
+              ddp: list[dict[str, Any]], measured: references.Measured | None,
+              world: int = ZERO2_RANKS) -> dict[str, Any]:
+    """ZeRO-2's row from what each rank returned for ``case`` (``got``), for DDP's case beside
+    it (``ddp``) and the references measured for it (``zero2_references``; None where ZeRO-2
+    did not train): refused as designed, or judged against DDP and the single process
     (``references.judge``), every hook once, no gradient left."""
     why = refusal(workload, "zero2")
     if any("refused" in g for g in got):
@@ -192,17 +194,35 @@ def zero2_row(workload: Workload, case: dict[str, Any], got: list[dict[str, Any]
     problems = zero2_runs.rank_problems(got)
     if any(g["error"] for g in got):
         return {"problems": problems}
+    assert measured is not None, "ZeRO-2 trained: its references must have been measured"
     if not all(compare(d["snapshots"], ddp[0]["snapshots"]).bit_exact for d in ddp[1:]):
         problems.append("DDP's ranks hold different parameters")
-    reference, rounding, note = references.single_process(
-        workload, case["optimizer_class"], case["kwargs"], case["steps"], world)
     t = data_parallel_bound(workload)
-    verdict = references.judge(workload, got[0]["snapshots"], ddp[0]["snapshots"], reference,
-                               rounding, note, t, world)
+    verdict = references.judge(workload, got[0]["snapshots"], ddp[0]["snapshots"],
+                               measured.single, measured.rounding, measured.why, t, world)
     return {**fingerprint(got[0]["snapshots"], SAMPLE), "warnings": got[0].get("warnings", []),
             "problems": problems + verdict["problems"], "parity": verdict["parity"],
             "noise_floor": verdict["noise_floor"],
             "tolerance": {"rtol": t.rtol, "atol": t.atol}}
+
+
+def zero2_references(workload: Workload, case: dict[str, Any], got: list[dict[str, Any]],
+                     world: int = ZERO2_RANKS) -> references.Measured | None:
+    """The single process ZeRO-2's row is held to, measured once, where ZeRO-2 trained."""
+    if any("refused" in g or g.get("error") for g in got):
+        return None
+    return references.measure(workload, case["kwargs"], case["steps"], world)
+
+
+def _measured(fn: Any) -> tuple[Any, list[str]]:
+    """``fn()``'s references and the warnings measuring them raised (the single process's:
+    they go into the rows judged against them), or what stopped it as a row's ``error``."""
+    said: list[str] = []
+    with warnings_kept(said):
+        try:
+            return fn(), said
+        except Exception as e:  # noqa: BLE001 - every row held to them fails, naming it
+            return {"error": one_line(e)}, said
 
 
 def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 300.0,
@@ -219,11 +239,22 @@ def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 
         references.ranks, ZERO2_RANKS,
         [*cases, *references.ddp_beside(cases), *(c for w in engine_cases for c in w)],
         timeout=timeout))
+    # the references, each measured once, before any row is judged
+    measured = {w.name: _measured(lambda w=w, case=case: zero2_references(
+        w, case, got[case["key"]])) for w, case in zip(workloads, cases)}
     out = engine_rows(engined, stopped, got)
     for w, case in zip(workloads, cases):
-        out[f"{w.name}/zero2"] = _row(lambda w=w, case=case: zero2_row(
-            w, case, got[case["key"]], got[(w.name, "zero2", "ddp")]))
+        reference, said = measured[w.name]
+        row = (reference if isinstance(reference, dict) else _row(lambda w=w, case=case: zero2_row(
+            w, case, got[case["key"]], got[(w.name, "zero2", "ddp")], reference)))
+        out[f"{w.name}/zero2"] = _with_warnings(row, said)
     return out
+
+
+def _with_warnings(row: dict[str, Any], said: list[str]) -> dict[str, Any]:
+    warned = row.get("warnings", [])
+    new = [w for w in said if w not in warned]
+    return {**row, "warnings": [*warned, *new]} if new else row
 
 
 def engine_runs(workloads: list[Workload], fault: str | None, world: int = ZERO2_RANKS,
@@ -248,20 +279,28 @@ def engine_rows(workloads: list[Workload], stopped: dict[str, dict[str, dict[str
                 engines: tuple[str, ...] = verdicts.ENGINES) -> dict[str, dict[str, Any]]:
     """The ``name/engines/<engine>`` rows of ``engine_runs``'s runs from what the ranks
     returned for them (``got``: by key, each case's results in rank order)."""
+    ran = {w.name: {e: got[(w.name, f"engines/{e}", e)] for e in engines
+                    if e not in stopped[w.name]} for w in workloads}
+    # the references, each measured once, before any row is judged
+    measured = {w.name: _measured(lambda w=w: verdicts.measure_references(
+        w, ran[w.name], forloop_options(w), STEPS, world)) for w in workloads if ran[w.name]}
     out: dict[str, dict[str, Any]] = {}
     for w in workloads:
-        ran = {e: got[(w.name, f"engines/{e}", e)] for e in engines if e not in stopped[w.name]}
-        out.update(_engine_rows(w, forloop_options(w), stopped[w.name], ran, world, engines))
+        out.update(_engine_rows(w, stopped[w.name], ran[w.name], measured.get(w.name),
+                                world, engines))
     return out
 
 
-def _engine_rows(w: Workload, kwargs: dict[str, Any], stopped: dict[str, dict[str, str]],
-                 ran: dict[str, list[dict[str, Any]]], world: int,
+def _engine_rows(w: Workload, stopped: dict[str, dict[str, str]],
+                 ran: dict[str, list[dict[str, Any]]],
+                 measured: tuple[references.Measured | dict, list[str]] | None, world: int,
                  engines: tuple[str, ...]) -> dict[str, dict[str, Any]]:
     """``name/engines/<engine>`` rows: a fingerprint of rank 0's parameters, the verdict."""
+    reference, said = measured or ({}, [])
+
     def judged() -> dict[str, dict[str, Any]]:
         t = data_parallel_bound(w)
-        by_engine = verdicts.judge(w, ran, kwargs, STEPS, world, t)
+        by_engine = verdicts.judge(w, ran, reference, world, t)
         for engine, row in by_engine.items():
             if "snapshots" in row:
                 snapshots = row.pop("snapshots")
@@ -280,16 +319,18 @@ def _engine_rows(w: Workload, kwargs: dict[str, Any], stopped: dict[str, dict[st
             by_engine["fsdp2_in_backward"] = {"problems": [f"refused: {got['refused']}"]}
         return by_engine
 
-    said: list[str] = []
-    with warnings_kept(said):  # the single process's, while judging
-        by_engine = attempt(judged)
-    if said and "error" not in by_engine and "skipped" not in by_engine:
-        for row in by_engine.values():
-            row["warnings"] = [*row.get("warnings", []),
-                               *(w for w in said if w not in row.get("warnings", []))]
+    said = list(said)
+    if not ran:
+        by_engine: dict[str, Any] = {}
+    elif isinstance(reference, dict):  # measuring the references stopped: so does every row
+        by_engine = reference
+    else:
+        with warnings_kept(said):  # while judging, as while measuring
+            by_engine = attempt(judged)
     if "error" in by_engine or "skipped" in by_engine:  # the judging stopped: every row says so
         return {f"{w.name}/engines/{e}": by_engine for e in engines}
-    return {f"{w.name}/engines/{e}": stopped.get(e) or by_engine[e] for e in engines}
+    return {f"{w.name}/engines/{e}": stopped.get(e) or _with_warnings(by_engine[e], said)
+            for e in engines}
 
 
 def capture(workload: Workload) -> dict[str, dict[str, Any]]:

@@ -448,9 +448,9 @@ def _judged_on_four_ranks(ddp_shift: float, fsdp2_shift: float) -> dict[str, dic
 
     # made-up runs: no DDP report or FSDP2 state to hold them to
     workload = WORKLOAD.replace(ddp=None, fsdp2=None)
-    cls, kwargs = workload.optimizer
-    single, _, _ = references.single_process(workload, cls, kwargs, workload_checks.STEPS, 4,
-                                             accumulation=ACCUMULATION)
+    kwargs = workload.optimizer[1]
+    measured = references.measure(workload, kwargs, workload_checks.STEPS, 4, ACCUMULATION)
+    single = measured.single
     names = [n for n, p in workload.build().named_parameters() if p.requires_grad]
 
     def shifted(by: float) -> list[dict]:
@@ -463,8 +463,7 @@ def _judged_on_four_ranks(ddp_shift: float, fsdp2_shift: float) -> dict[str, dic
     got = {"ddp": [{"snapshots": shifted(ddp_shift), "after_backward": [synced]}],
            "fsdp2_zero2": [{"snapshots": shifted(fsdp2_shift), "after_backward": [synced],
                             "units": 2, "unit_bytes": [1, 1, 1]}]}
-    return verdicts.judge(workload, got, kwargs, workload_checks.STEPS, 4,
-                          bounds.data_parallel_bound(workload))
+    return verdicts.judge(workload, got, measured, 4, bounds.data_parallel_bound(workload))
 
 
 def test_on_four_ranks_ddp_far_from_one_process_holds_only_where_fsdp2_drifts_too():

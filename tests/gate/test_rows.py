@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from hookbench.engines import verdicts
+from hookbench.engines import references, verdicts
 from hookbench.gate import rows, workload_checks
 from hookbench.measure import bounds
 from hookbench.models.zoo import TinySpec
@@ -89,3 +89,29 @@ def test_the_judge_reads_a_rows_kind_from_the_registry():
     assert ok and words.startswith("3 of 3 module calls recorded")
     with pytest.raises(KeyError):  # a row no entry declares cannot be judged at all
         workload_checks.live_verdict("tiny/nothing", {"records": 3, "calls": 3})
+
+
+def test_the_references_are_measured_once_before_any_row_is_judged(monkeypatch):
+    # One launch for ZeRO-2 and the engines; then each reference once (the single process for
+    # ZeRO-2's shares, and with the engines' accumulation), then the judges.
+    events = []
+    measure, judge, zero2_judge = references.measure, verdicts.judge, references.judge
+
+    def measured(*args, **kwargs):
+        events.append(("measure", args[4] if len(args) > 4 else kwargs.get("accumulation", 1)))
+        return measure(*args, **kwargs)
+
+    def judged(name, fn):
+        def wrapper(*args, **kwargs):
+            events.append(("judge", name))
+            return fn(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(references, "measure", measured)
+    monkeypatch.setattr(verdicts, "judge", judged("engines", judge))
+    monkeypatch.setattr(references, "judge", judged("zero2", zero2_judge))
+    got = workload_checks.zero2([WORKLOAD])
+    assert not [(k, r) for k, r in got.items() if r.get("problems") or "error" in r], got
+    kinds = [kind for kind, _ in events]
+    assert sorted(e for e in events if e[0] == "measure") == [("measure", 1), ("measure", 2)]
+    assert kinds.index("judge") > max(i for i, k in enumerate(kinds) if k == "measure"), events
