@@ -9,7 +9,8 @@
                        fsdp2_in_backward  zero3 with ``OptimizerInBackward`` on the shards
     not_applicable   the engines that cannot train a workload, and why, before any rank starts
     cases            the runs for ``references.ranks`` (a fault goes into every engine run)
-    judge            the rows from what the ranks returned
+    measure_references  what the rows are held to, measured once after the ranks ran
+    judge            the rows from what the ranks returned and those references
 
 What each row is held to:
     ddp       every bucket reduced once per synced backward, none under ``no_sync()`` (the
@@ -53,8 +54,8 @@ from hookbench.measure.bounds import FLOOR_FACTOR
 from hookbench.measure.parity import Tolerance, compare
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
-__all__ = ["ENGINES", "PEERS", "cannot_run", "cases", "judge", "missing", "not_applicable",
-           "sparse_gradients"]
+__all__ = ["ENGINES", "PEERS", "cannot_run", "cases", "judge", "measure_references",
+           "not_applicable", "sparse_gradients"]
 
 ENGINES = ("ddp", "fsdp2_zero2", "fsdp2_zero3", "fsdp2_in_backward")
 # Why DeepSpeed's sums are not DDP's (``hookbench.engines.deepspeed``)
@@ -142,12 +143,6 @@ def cannot_run(engines: tuple[str, ...]) -> dict[str, str]:
         return {}
     why = fsdp2.cannot_train_on_cpu()
     return {e: why for e in engines if why and e.startswith("fsdp2")}
-
-
-def missing(engines: tuple[str, ...]) -> dict[str, str]:
-    """Engine -> the declared optional prerequisite it lacks here (its row is SKIPPED)."""
-    why = deepspeed.available() if "deepspeed_zero2" in engines else None
-    return {"deepspeed_zero2": why} if why else {}
 
 
 def cases(workload: Workload, kwargs: dict[str, Any], steps: int, skip: dict[str, Any],

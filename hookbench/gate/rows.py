@@ -11,7 +11,8 @@ reference or a bound, is an edit of one entry here.
                 does not hold for the workload is not one of its references), ``bound`` (a
                 rule of ``hookbench.measure.bounds``, by name), ``checks``, ``refuses``
                 (hookbench's designed refusal: the row must refuse in words) and
-                ``not_applicable`` (the row does not apply to the workload, and says why)
+                ``not_applicable`` (the row does not apply to the workload, and says why),
+                ``skipped`` (an optional prerequisite of the row is not installed: which)
     ROWS        every entry, in the order the rows are measured and shown
     row         the entry of a row key (``mlp/engines/ddp`` -> ROWS' ``engines/ddp``)
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hookbench.core.workload import Workload
-from hookbench.engines import fsdp2, verdicts
+from hookbench.engines import deepspeed, fsdp2, verdicts
 from hookbench.engines.loop import ACCUMULATION
 from hookbench.measure.parity import accepts
 from hookbench.mechanisms.zero2 import ELEMENTWISE
@@ -69,6 +70,7 @@ class Row:
     checks: tuple[str, ...] = ()
     refuses: Why = _never
     not_applicable: Why = _never
+    skipped: Why = _never  # a declared optional prerequisite this machine lacks, and which
     only_if: Callable[[Workload], bool] = _always  # a row only some workloads have at all
 
     def references_for(self, workload: Workload) -> tuple[Reference, ...]:
@@ -245,7 +247,8 @@ PEER_ROWS = (
         "declared config, the same accumulation",
         (Reference("DDP on the same shares", False, verdicts.DEEPSPEED_DIFFERS[0]), _SINGLE),
         "data_parallel_bound", ("the declared config runs", "ranks agree"),
-        not_applicable=_engine_not_applicable("deepspeed_zero2")),
+        not_applicable=_engine_not_applicable("deepspeed_zero2"),
+        skipped=lambda workload: deepspeed.available()),
 )
 
 CAPTURE_ROW = Row(

@@ -151,11 +151,11 @@ def trajectories(workload: Workload) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _row(measure: Any) -> dict[str, Any]:
+def _row(measure: Any, said: list[str] | None = None) -> dict[str, Any]:
     """``attempt(measure)``, with the warnings it raised (torch's, the model's) in the row's
-    ``warnings``, each once, instead of on the terminal; a row from spawned ranks also has
-    rank 0's (``references.ranks``)."""
-    said: list[str] = []
+    ``warnings``, each once, instead of on the terminal, after those already ``said`` (its
+    references'); a row from spawned ranks also has rank 0's (``references.ranks``)."""
+    said = list(said or ())
     with warnings_kept(said):
         row = attempt(measure)
     said += [w for w in row.get("warnings", []) if w not in said]
@@ -245,9 +245,11 @@ def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 
     out = engine_rows(engined, stopped, got)
     for w, case in zip(workloads, cases):
         reference, said = measured[w.name]
-        row = (reference if isinstance(reference, dict) else _row(lambda w=w, case=case: zero2_row(
-            w, case, got[case["key"]], got[(w.name, "zero2", "ddp")], reference)))
-        out[f"{w.name}/zero2"] = _with_warnings(row, said)
+        out[f"{w.name}/zero2"] = (_with_warnings(reference, said)
+                                  if isinstance(reference, dict) else
+                                  _row(lambda w=w, case=case, reference=reference: zero2_row(
+                                      w, case, got[case["key"]], got[(w.name, "zero2", "ddp")],
+                                      reference), said))
     return out
 
 
@@ -264,11 +266,12 @@ def engine_runs(workloads: list[Workload], fault: str | None, world: int = ZERO2
     why}`` (``verdicts.not_applicable`` on ``world`` ranks), ``{"error": why}`` (this torch
     cannot run the engine here, ``verdicts.cannot_run``: the row fails) or ``{"skipped": why}``
     (a missing optional prerequisite); and the runs of the others for ``references.ranks``."""
-    missing, broken = verdicts.missing(engines), verdicts.cannot_run(engines)
+    broken = verdicts.cannot_run(engines)
     stopped = {w.name: {**{e: {"error": why} for e, why in broken.items()},
                         **{e: {"not_applicable": why} for e, why in
                            verdicts.not_applicable(w, STEPS, world, engines).items()},
-                        **{e: {"skipped": why} for e, why in missing.items()}}
+                        **{e: {"skipped": why} for e in engines
+                           if (why := rows.ROWS[f"engines/{e}"].skipped(w))}}
                for w in workloads}
     return stopped, [verdicts.cases(w, forloop_options(w), STEPS, stopped[w.name], fault,
                                     engines) for w in workloads]
