@@ -34,10 +34,16 @@ CI variable is set), ``dev`` (the default otherwise: fewer examples), ``thorough
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import importlib.util
+import json
 import os
 import random
+import sys
 from importlib.metadata import entry_points
-from typing import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Callable, Iterator
 
 import pytest
 import torch
@@ -247,6 +253,74 @@ def two_threads() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+# Runs that more than one test reads, each made once (issue 55, "CI does no work twice").
+@pytest.fixture(scope="session")
+def once(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, Callable[[Path], dict]], dict]:
+    """``once(name, make)``: what ``make(folder)`` returns (a dict that JSON keeps), made once
+    in this test session in a folder of its own, under pytest-xdist too: the first process to
+    ask makes it while any other that asks meanwhile waits on a lock, then every one reads what
+    it wrote, an error as well (RuntimeError, naming it). A session fixture alone runs once per
+    worker, and ``--dist loadgroup``, which would keep its tests on one, groups nothing with
+    pytest 9.2 (pytest-xdist#1386, open on xdist 3.8.0: it still writes the old node id)."""
+    from filelock import FileLock  # torch's dependency
+
+    base = tmp_path_factory.getbasetemp()  # a worker's is popen-gwN in the session's own
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "once"
+    shared.mkdir(exist_ok=True)
+
+    def get(name: str, make: Callable[[Path], dict]) -> dict:
+        made = shared / f"{name}.json"
+        with FileLock(str(shared / f"{name}.lock")):
+            if not made.is_file():
+                folder = shared / name
+                folder.mkdir(exist_ok=True)
+                try:
+                    result = {"value": make(folder)}
+                except Exception as e:  # noqa: BLE001 - every reader fails with it, none runs again
+                    result = {"error": f"{type(e).__name__}: {e}"}
+                made.write_text(json.dumps(result))
+            result = json.loads(made.read_text())
+        if "error" in result:
+            raise RuntimeError(f"{name}, made once for this session: {result['error']}")
+        return result["value"]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def docs_samples() -> Iterator[ModuleType]:
+    """docs/samples.py, the module that runs and checks the sample outputs of README.md and
+    docs/: the one tests/test_samples.py loaded at collection, or loaded here (and unloaded
+    after the session)."""
+    path = Path(__file__).resolve().parent / "docs" / "samples.py"
+    module = sys.modules.get("samples")
+    if module is not None and Path(module.__file__).resolve() == path:
+        yield module
+        return
+    spec = importlib.util.spec_from_file_location("samples", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["samples"] = module  # dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        if sys.modules.get("samples") is module:
+            del sys.modules["samples"]
+
+
+@pytest.fixture(scope="session")
+def readme_report(docs_samples: ModuleType, once):
+    """The README's ``hookbench report`` (ViT-L/16, every section; 142 s on one thread, about
+    4 minutes on 2 loaded cores), made ``once`` in the session for the tests that read it: the
+    README's and docs/report.md's samples (tests/test_samples.py) and what the command prints
+    and writes (tests/cli/test_cli.py). Until issue 55 test_cli.py ran a report of its own, the
+    transformer's (19.5 s on one thread), the slow tier's second. ``samples.Ran``: stdout,
+    stderr and the folder ``{out}`` is in."""
+    sample = docs_samples.SAMPLES["report"]
+    return docs_samples.Ran(**once(
+        "readme-report", lambda folder: dataclasses.asdict(docs_samples.ran(sample, folder))))
 
 
 @pytest.fixture(autouse=True)

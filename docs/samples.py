@@ -8,7 +8,10 @@ A sample is the fenced block right after a ``<!-- sample: NAME -->`` line; ``SAM
 which command prints it, from which folder, and how it is trimmed (which sections, which rows;
 rows left out show as one ``  ...`` line). The check compares rows, verdicts and counts, with
 what varies from run to run or from CPU to CPU masked (``VOLATILE``). ``tests/test_samples.py`` runs
-the check (slow tier) and shows that it fails on a drifted sample.
+the check (slow tier) and shows that it fails on a drifted sample. In the slow tier each command
+runs once (issue 55): the README's report is also what tests/cli/test_cli.py checks
+(conftest.py's ``readme_report``, through ``ran``), and examples/charlm's samples are checked by
+tests/test_ci_recipes.py against the CI recipe's run of the same commands (``less_written``).
 
 Each command runs as ``python -m hookbench`` in its folder, with ``PYTHONPATH=.`` (what the
 examples' READMEs say to set) and any folder it writes into (``{out}``) a temporary one, whose
@@ -102,15 +105,46 @@ def runs() -> list[list[str]]:
     return list(groups.values())
 
 
+@dataclass(frozen=True)
+class Ran:
+    """What a sample's command did: what it printed on stdout and stderr, and the folder its
+    ``{out}`` is in (``folder``/hookbench-out; a temporary one is removed at exit)."""
+    stdout: str
+    stderr: str
+    folder: str
+
+    @property
+    def out(self) -> Path:  # what "{out}" stood for: the files the command wrote
+        return Path(self.folder) / "hookbench-out"
+
+    @property
+    def printed(self) -> str:  # stdout as a sample shows it: the temporary folder's path taken out
+        return self.stdout.replace(f"{self.folder}/", "")
+
+
 def run(sample: Sample) -> str:
     """What ``sample``'s command prints on stdout; RuntimeError if it exits otherwise."""
-    return _printed(sample.before, sample.argv, sample.cwd, sample.exit)
+    return ran(sample).printed
+
+
+def ran(sample: Sample, folder: str | Path | None = None) -> Ran:
+    """``sample``'s command (``before`` first): in a temporary folder once per process, or in
+    ``folder``, which the caller made and keeps (conftest.py's ``readme_report``, which shares
+    the run with every pytest-xdist worker); RuntimeError if it exits otherwise than the
+    sample shows."""
+    if folder is None:
+        return _ran(sample.before, sample.argv, sample.cwd, sample.exit)
+    if sample.before:
+        _hookbench(sample.before, sample.cwd, 0, str(folder))
+    done = _hookbench(sample.argv, sample.cwd, sample.exit, str(folder))
+    return Ran(done.stdout, done.stderr, str(folder))
 
 
 @functools.cache  # the README's report and docs/report.md's are one run
-def _printed(before: tuple[str, ...], argv: tuple[str, ...], cwd: str, exit: int) -> str:
+def _ran(before: tuple[str, ...], argv: tuple[str, ...], cwd: str, exit: int) -> Ran:
     tmp = _folder(before, cwd)
-    return _hookbench(argv, cwd, exit, tmp).replace(f"{tmp}/", "")
+    done = _hookbench(argv, cwd, exit, tmp)
+    return Ran(done.stdout, done.stderr, tmp)
 
 
 @functools.cache  # examples/charlm's two samples gate one recorded baseline
@@ -123,16 +157,34 @@ def _folder(before: tuple[str, ...], cwd: str) -> str:
     return tmp
 
 
-def _hookbench(command: tuple[str, ...], cwd: str, code: int, tmp: str) -> str:
-    """What ``hookbench command`` prints, run in ``cwd`` with ``{out}`` in ``tmp``;
-    RuntimeError unless it exits ``code``."""
+def _hookbench(command: tuple[str, ...], cwd: str, code: int,
+               tmp: str) -> subprocess.CompletedProcess:
+    """``hookbench command``, run in ``cwd`` with ``{out}`` in ``tmp``; RuntimeError unless it
+    exits ``code``."""
     args = [a.replace("{out}", f"{tmp}/hookbench-out") for a in command]
     proc = subprocess.run([sys.executable, "-m", "hookbench", *args], cwd=ROOT / cwd,
                           env={**os.environ, "PYTHONPATH": "."}, capture_output=True, text=True)
     if proc.returncode != code:
         raise RuntimeError(f"hookbench {' '.join(command)} (in {cwd}) exited "
                            f"{proc.returncode}, not {code}:\n{proc.stdout}{proc.stderr[-3000:]}")
-    return proc.stdout
+    return proc
+
+
+def less_written(printed: str, files: list[str]) -> str:
+    """``printed`` as the command prints it without the options that wrote ``files`` (as it
+    names them): each taken out of its ``wrote A and B`` line, the line gone where none is left.
+    For a sample checked against a run of its command with more outputs asked for (the CI
+    recipe's gate adds ``--junit-xml`` and ``--json``; tests/test_ci_recipes.py), which print
+    nothing else."""
+    lines = []
+    for line in printed.split("\n"):
+        if line.startswith("wrote "):
+            kept = [f for f in line.removeprefix("wrote ").split(" and ") if f not in files]
+            if not kept:
+                continue
+            line = "wrote " + " and ".join(kept)
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def _is_row(line: str) -> bool:

@@ -1,10 +1,22 @@
 #!/usr/bin/env bash
 # The example end to end, as CI runs it: the gate passes on the recorded torch and fails under
 # an injected fault; the project's own pytest file (the plugin only) passes, and fails under
-# the fault. Run from anywhere; about a minute on 2 cores.
+# the fault. Run from anywhere; under two minutes (99 s on one thread).
+#
+#   examples/charlm/check.sh                     every step
+#   examples/charlm/check.sh --no-gate-fault     all but the gate under the fault (69 s): CI's
+#       slow tier has gated these three workloads under that fault already, on a baseline it
+#       recorded (tests/test_ci_recipes.py: the CI recipe's steps on a copy of this project),
+#       and CI does no work twice (issue 55)
 set -uo pipefail
 cd "$(dirname "$0")"
 status=0
+gate_fault=1
+case "${1-}" in
+    "") ;;
+    --no-gate-fault) gate_fault=0 ;;
+    *) echo "usage: $0 [--no-gate-fault]" >&2; exit 2 ;;
+esac
 
 expect() {  # expect CODE PATTERN COMMAND...: fail unless it exits CODE and prints PATTERN
     local want=$1 pattern=$2; shift 2
@@ -34,9 +46,16 @@ sys.exit(json.load(open('$baseline'))['recorded_with']['cpu'] != environment()['
     expect 0 "wrote" hookbench record --baseline "$baseline"
 fi
 expect 0 "GATE PASSED" hookbench gate --baseline "$baseline"
-expect 1 "GATE FAILED in .*workloads" hookbench gate --baseline "$baseline" --fault keeps_gradients_alive
+if [ $gate_fault -eq 1 ]; then
+    expect 1 "GATE FAILED in .*workloads" hookbench gate --baseline "$baseline" --fault keeps_gradients_alive
+else
+    echo "+ hookbench gate --fault keeps_gradients_alive: not run here (--no-gate-fault; tests/test_ci_recipes.py runs it)"
+fi
 expect 0 "6 passed" python -m pytest -q -p no:cacheprovider
 expect 1 "5 failed, 1 passed" python -m pytest -q -p no:cacheprovider --hookbench-fault fires_twice
 rm -f check.log
-if [ $status -eq 0 ]; then echo "check.sh: every step as expected (under a fault the gate and the tests fail, as they must)"; fi
+if [ $status -eq 0 ]; then
+    if [ $gate_fault -eq 1 ]; then under="the gate and the tests fail"; else under="the tests fail"; fi
+    echo "check.sh: every step as expected (under a fault $under, as they must)"
+fi
 exit $status

@@ -25,22 +25,25 @@ def by_row(data: dict) -> dict:
     return {m["strategy"]: m for m in data["memory"]}
 
 
-# slow: the whole report, every section, about 15 s; the default tier keeps each section's own
-# tests and the report's exit code under a fault (below); examples/charlm/check.sh runs a report
+# slow: the whole report, every section: the README's `hookbench report` (ViT-L/16), made once
+# in the session for this test and the README's and docs/report.md's samples (conftest.py's
+# readme_report, on whichever xdist worker asks first; issue 55). Until then this test ran a
+# report of its own, the transformer's on --device fake (19.5 s on one thread), the slow tier's
+# second. The default tier keeps each section's own tests and the report's exit code under a
+# fault (below); examples/charlm/check.sh runs a report of a user's workload.
 @pytest.mark.slow
-def test_report_prints_writes_and_passes(capsys, tmp_path):
-    assert main([*ARGS, "--out", str(tmp_path)]) == 0
-    captured = capsys.readouterr()
-    out = captured.out
+def test_report_prints_writes_and_passes(readme_report):
+    out, err = readme_report.stdout, readme_report.stderr
+    backend = "cuda" if torch.cuda.is_available() else "fake"  # --device auto, the default
     assert f"torch {torch.__version__}" in out
     for family in FAMILIES:
         assert f"{family} " in out
     assert "bit-exact" in out and "FAILED" not in out
-    assert "Peak memory of one training step (transformer, batch 1, Adam, backend fake" in out
-    assert "measuring transformer batch 1, in_backward" in captured.err  # progress
+    assert f"Peak memory of one training step (vit_l_16, batch 1, Adam, backend {backend}" in out
+    assert f"measuring vit_l_16 batch 1, in_backward, backend {backend}" in err  # progress
     assert "ZeRO-2 (sharded gradient release)" in out and "rank 0 of 64" in out
-    assert (tmp_path / "memory.png").read_bytes().startswith(b"\x89PNG")
-    data = json.loads((tmp_path / "report.json").read_text())
+    assert (readme_report.out / "memory.png").read_bytes().startswith(b"\x89PNG")
+    data = json.loads((readme_report.out / "report.json").read_text())
     assert [m["strategy"] for m in data["memory"]] == [*MEMORY_STRATEGIES,
                                                        *(row for row, *_ in SAVING_ROWS)]
     assert by_row(data)["in_backward + offload"]["host_peak"] > 0
