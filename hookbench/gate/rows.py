@@ -157,6 +157,19 @@ _SINGLE = Reference("one process on the ranks' shares", False,
                     f"{_SHARES}; within the bound, or the measured noise floor where DDP itself "
                     f"is further")
 
+# FSDP2 with a standard step: DDP's sums in another order on other tensors, or, where it
+# computes in low precision (its mp_policy), the reference of that arithmetic; then one process
+_FSDP2_REFERENCES = (
+    Reference("DDP on the same shares", False, verdicts.FSDP2_DIFFERS[0],
+              when=lambda w: fsdp2.mixed_dtypes(w) is None),
+    Reference("the mixed-precision reference", False,
+              "a low-precision model, fp32 masters, the same reduction",
+              when=lambda w: fsdp2.mixed_dtypes(w) is not None),
+    _SINGLE)
+_FSDP2_CHECKS = ("every shard's hook once per run of its unit in a synced backward",
+                 "no gathered gradient left", "shard gradients held at once within 4 Psi / N",
+                 "the declared settings run", "ranks agree")
+
 STRATEGY_ROWS = (
     Row("forloop", "trajectory", "the workload's optimizer, its for-loop, the standard step",
         bound="trajectory_bound"),
@@ -211,26 +224,11 @@ ENGINE_ROWS = (
         "data_parallel_bound", ("every bucket reduced once per synced backward, none under "
                                 "no_sync()", "the declared settings run", "ranks agree")),
     Row("engines/fsdp2_zero2", "ranks", "FSDP2 reshard_after_forward=False, the same "
-        "accumulation under set_requires_gradient_sync",
-        (Reference("DDP on the same shares", False, verdicts.FSDP2_DIFFERS[0],
-                   when=lambda w: fsdp2.mixed_dtypes(w) is None),
-         Reference("the mixed-precision reference", False,
-                   "a low-precision model, fp32 masters, the same reduction",
-                   when=lambda w: fsdp2.mixed_dtypes(w) is not None),
-         _SINGLE), "data_parallel_bound",
-        ("every shard's hook once per run of its unit in a synced backward",
-         "no gathered gradient left", "shard gradients held at once within 4 Psi / N",
-         "the declared settings run", "ranks agree"),
+        "accumulation under set_requires_gradient_sync", _FSDP2_REFERENCES,
+        "data_parallel_bound", _FSDP2_CHECKS,
         not_applicable=_engine_not_applicable("fsdp2_zero2")),
-    Row("engines/fsdp2_zero3", "ranks", "FSDP2 reshard_after_forward=True",
-        (Reference("DDP on the same shares", False, verdicts.FSDP2_DIFFERS[0],
-                   when=lambda w: fsdp2.mixed_dtypes(w) is None),
-         Reference("the mixed-precision reference", False,
-                   "a low-precision model, fp32 masters, the same reduction",
-                   when=lambda w: fsdp2.mixed_dtypes(w) is not None),
-         _SINGLE), "data_parallel_bound",
-        ("every shard's hook once per run of its unit in a synced backward",
-         "no gathered gradient left", "the declared settings run", "ranks agree"),
+    Row("engines/fsdp2_zero3", "ranks", "FSDP2 reshard_after_forward=True", _FSDP2_REFERENCES,
+        "data_parallel_bound", _FSDP2_CHECKS,
         not_applicable=_engine_not_applicable("fsdp2_zero3")),
     Row("engines/fsdp2_in_backward", "ranks", "FSDP2 ZeRO-3 with OptimizerInBackward on the "
         "shards", (Reference("engines/fsdp2_zero3", True, _SAME_STEP),), "data_parallel_bound",
