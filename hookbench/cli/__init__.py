@@ -57,19 +57,12 @@ def say(line: str) -> None:
 def version() -> str:
     """``hookbench --version``: hookbench's and torch's versions as installed, read from their
     packages' metadata: importing torch would take seconds."""
-    from importlib import metadata
-
-    try:
-        ours = metadata.version("hookbench")
-    except metadata.PackageNotFoundError:  # a checkout on sys.path, not installed
+    ours = names.installed_version("hookbench")
+    if ours is None:  # a checkout on sys.path, not installed
         import hookbench
 
         ours = getattr(hookbench, "__version__", "(version unknown)")
-    try:
-        torch = metadata.version("torch")
-    except metadata.PackageNotFoundError:
-        torch = "not installed"
-    return f"hookbench {ours} (torch {torch})"
+    return f"hookbench {ours} (torch {names.installed_version('torch') or 'not installed'})"
 
 
 class _Version(argparse.Action):

@@ -3,6 +3,8 @@ models, the faults, the report's and the gate's sections and defaults. The modul
 them take them from here (``hookbench.gate``) or assert at import that they match
 (``hookbench.models.zoo``, ``hookbench.measure.faults``), so a name is added in one place."""
 
+from importlib import metadata
+
 ZOO = ("resnet18", "transformer", "vit_b_16", "vit_l_16")
 FAULTS = ("fires_twice", "stops_after_first_backward", "never_fires",
           "fires_before_accumulation", "keeps_gradients_alive", "fires_late",
@@ -30,3 +32,12 @@ GATE_RECORD_MODELS = (*GATE_MODELS, "vit_l_16")  # recorded, so that --models vi
 # A step-time ratio fails this fraction above the recorded one (shared CI machines).
 GATE_TIME_SLACK = 0.50
 BASELINE = "baselines/gate.json"  # relative to the checkout, where hookbench is run
+
+
+def installed_version(package: str) -> str | None:
+    """``package``'s version from its installed metadata (without importing it: torch's import
+    takes seconds), or None where it is not installed (a checkout on sys.path)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None

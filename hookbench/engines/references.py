@@ -45,8 +45,8 @@ from hookbench.measure.faults import inject
 from hookbench.measure.parity import (NoiseBounds, Snapshot, Tolerance, compare,
                                       parameters_only, rounding_level, training)
 
-__all__ = ["ENGINE_RUNS", "Key", "Measured", "arithmetic_differs", "ddp_beside", "floor_bounds", "gathered",
-           "judge", "largest", "measure", "noise_floor", "ranks", "single_process"]
+__all__ = ["ENGINE_RUNS", "Key", "Measured", "arithmetic_differs", "ddp_beside", "floor_bounds",
+           "gathered", "judge", "largest", "measure", "noise_floor", "ranks", "single_process"]
 
 # A case's address in a launch: (workload, row, case), e.g. ("mlp", "engines/ddp", "ddp")
 Key = tuple[str, str, str]

@@ -173,11 +173,13 @@ def measure_references(workload: Workload, got: dict[str, list[dict[str, Any]]],
     single process with the engines' accumulation, and the mixed-precision reference in the
     dtypes FSDP2 computes and reduces in, where not the shards' (hookbench's policy under bf16,
     or the one the workload declares: ``Workload.fsdp2``) and an FSDP2 engine trained."""
-    dtypes = fsdp2.mixed_dtypes(workload)
     trained = {e for e, ranks in got.items() if _trained(ranks)}
-    mixed = {dtypes for e in trained if dtypes and e in ("fsdp2_zero2", "fsdp2_zero3")} | {
-        (torch.bfloat16, torch.float32) for e in trained
-        if e == "deepspeed_zero2" and workload.precision == "bf16"}
+    mixed = []
+    dtypes = fsdp2.mixed_dtypes(workload)
+    if dtypes and trained & {"fsdp2_zero2", "fsdp2_zero3"}:
+        mixed.append(dtypes)
+    if workload.precision == "bf16" and "deepspeed_zero2" in trained:
+        mixed.append((torch.bfloat16, torch.float32))
     return references.measure(workload, kwargs, steps, world, ACCUMULATION, tuple(mixed))
 
 

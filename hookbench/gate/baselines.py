@@ -30,7 +30,6 @@ pytest-benchmark's own runs live beside this file in ``baselines/benchmarks``.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import platform
@@ -64,7 +63,8 @@ def environment() -> dict[str, str]:
     """What a checksum depends on, and what a reader of the baseline wants to know. The CPU's
     model, not only its capability: two AVX512 Xeons were seen to round the same fp32 training
     differently (up to 3e-8 after one step), the BLAS choosing its kernels by model."""
-    return {"schema": SCHEMA, "hookbench": _version(), "torch": torch.__version__,
+    return {"schema": SCHEMA, "hookbench": names.installed_version("hookbench") or "not installed",
+            "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu": _cpu_model(), "python": platform.python_version(),
@@ -96,13 +96,6 @@ def migrate(data: dict[str, Any], path: str | Path) -> dict[str, Any]:
                          f"{SCHEMA} and older: record it again with `hookbench record`, or "
                          f"gate with the hookbench that wrote it")
     return data
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("hookbench")
-    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
-        return "not installed"
 
 
 def _cpu_model() -> str:

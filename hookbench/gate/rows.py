@@ -307,7 +307,7 @@ def row(key: str) -> Row:
 
 def refusal(workload: Workload, name: str) -> str | None:
     """Why row ``name`` (a strategy: "in_backward", "zero2") refuses ``workload`` by design."""
-    entry = ROWS.get(name) or ROWS.get(f"memory/{name}")
+    entry = ROWS.get(name)
     return entry.refuses(workload) if entry else None
 
 
