@@ -41,7 +41,7 @@ from hookbench.core.workload import Workload
 from hookbench.engines import ddp, deepspeed, fsdp2
 from hookbench.measure import zero2_runs
 from hookbench.measure.bounds import FLOOR_FACTOR
-from hookbench.measure.faults import inject
+from hookbench.measure.faults import run_under
 from hookbench.measure.parity import (NoiseBounds, Snapshot, Tolerance, compare,
                                       parameters_only, rounding_level, training)
 
@@ -57,8 +57,8 @@ def ranks(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[Key, dict[
     ``key`` (workload, row, case: ``gathered`` turns every rank's into one table, so nothing
     is read back by its position): ``{"engine": "ddp", ...}`` by ``ddp.trajectory``,
     ``"fsdp2"`` by ``fsdp2.trajectory``, any other by ``zero2_runs.trajectory`` (its keyword
-    arguments). An engine run's ``fault`` is injected around it; what it raises is returned,
-    as ZeRO-2's is, so every rank ends. The warnings a run raised are in its result's
+    arguments). Its ``fault`` reaches it by ``faults.run_under``'s rule: what it raises is
+    its result's ``error``, so every rank ends. The warnings a run raised are in its result's
     ``warnings``, each once."""
     keys = [case["key"] for case in cases]
     if len(set(keys)) != len(keys):
@@ -81,23 +81,14 @@ def gathered(per_rank: list[dict[Key, dict[str, Any]]]) -> dict[Key, list[dict[s
 
 
 def _run(rank: int, world: int, case: dict[str, Any]) -> dict[str, Any]:
-    engine = case.pop("engine", "zero2")
-    if engine == "zero2":
-        return zero2_runs.trajectory(rank, world, **case)
-    fault = case.pop("fault", None)
-    try:
-        with inject(fault):
-            return ENGINE_RUNS[engine](rank, world, **case)
-    except Exception as e:  # noqa: BLE001 - the engine's row fails in the words it raised
-        # Under a fault anything may break; without one, an engine that breaks on a setting
-        # the workload declares (DDP's static_graph with no_sync(), pytorch#143580) fails its
-        # own row, and the other engines are still judged. A rank that raised where the other
-        # waits in a collective ends at the launch's timeout, never hangs.
-        return {"error": one_line(e)}
+    # Without a fault too, an engine that breaks on a setting the workload declares (DDP's
+    # static_graph with no_sync(), pytorch#143580) fails its own row, and the others are judged
+    run = ENGINE_RUNS[case.pop("engine", "zero2")]
+    return run_under(case.pop("fault", None), run, rank, world, **case)
 
 
-ENGINE_RUNS = {"ddp": ddp.trajectory, "fsdp2": fsdp2.trajectory,
-               "deepspeed": deepspeed.trajectory}
+ENGINE_RUNS = {"zero2": zero2_runs.trajectory, "ddp": ddp.trajectory,
+               "fsdp2": fsdp2.trajectory, "deepspeed": deepspeed.trajectory}
 
 
 def ddp_beside(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -31,7 +31,8 @@ runs the for-loop;
 says; ``fused_sgd_skips_low_precision`` leaves bf16 and fp16 parameters unchanged by fused SGD
 (pytorch#191763, torch 2.12 and 2.13 on CPU); ``checkpoint_forgets_rng_state`` recomputes
 a checkpointed block on other random numbers than its forward drew.
-The fault tests, ``pytest --hookbench-fault NAME``
+A fault reaches a run on the ranks by one rule, ``run_under``. The fault tests,
+``pytest --hookbench-fault NAME``
 and ``hookbench selfcheck`` run the checks under each fault and require that they fail.
 """
 
@@ -42,16 +43,17 @@ import functools
 import importlib
 import sys
 import warnings
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from hookbench.core import fsdp, names
+from hookbench.core.prerequisites import one_line
 from hookbench.measure.memory import StorageTracker
 from hookbench.mechanisms import zero2
 from hookbench.mechanisms.activation_offload import ActivationOffload
 
-__all__ = ["FAULTS", "HOOK_FAULTS", "inject"]
+__all__ = ["FAULTS", "HOOK_FAULTS", "inject", "run_under"]
 
 _Register = Callable[[torch.Tensor, Callable[[torch.Tensor], None]], object]
 
@@ -656,6 +658,21 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
 assert tuple(FAULTS) == names.FAULTS, "hookbench.core.names.FAULTS lists the faults"
 HOOK_FAULTS = [name for name, fault in FAULTS.items()
                if isinstance(fault, tuple) and fault[0] is _hook_registration]
+
+
+def run_under(fault: str | None, run: Callable[..., dict[str, Any]], *args: Any,
+              **kwargs: Any) -> dict[str, Any]:
+    """The one rule by which a fault reaches a run on the ranks (ZeRO-2, DDP, FSDP2,
+    DeepSpeed): injected around the whole run, before it registers any hook, and never into a
+    reference (the callers pass None there: DDP beside ZeRO-2, the single process). What the
+    run raises is its result's ``error``, in one line, fault or not, so that its row fails
+    naming it and every rank ends; a rank whose peer raised mid-collective ends at the
+    launch's timeout, never hangs."""
+    try:
+        with inject(fault):
+            return run(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the row fails in the words it raised
+        return {"error": one_line(e)}
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
 from hookbench.core.workload import of, to_device
-from hookbench.measure.faults import inject
+from hookbench.measure.faults import run_under
 from hookbench.measure.memory import measure
 from hookbench.measure.parity import compare
 from hookbench.mechanisms.zero2 import Zero2
@@ -43,9 +43,10 @@ def parity_cases(fault: str | None = None) -> list[dict[str, Any]]:
 
 
 def trajectories(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Run ``trajectory`` for each case (its keyword arguments) on this rank: one process start
-    serves many configurations."""
-    return [trajectory(rank, world, **case) for case in cases]
+    """Run ``trajectory`` for each case (its keyword arguments, and its ``fault``: injected by
+    ``faults.run_under``'s rule) on this rank: one process start serves many configurations."""
+    return [run_under(case.get("fault"), trajectory, rank, world,
+                      **{k: v for k, v in case.items() if k != "fault"}) for case in cases]
 
 
 def local_batch(spec: Any, index: int, rank: int, world: int, device: str):
@@ -69,15 +70,14 @@ def rank_device(rank: int) -> str:
 
 def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
                bucket_numel: int, steps: int = 5, accumulation: int = 1,
-               fault: str | None = None,
                groups: list[tuple[list[str], dict]] | None = None,
                clipping: float = 0.0) -> dict[str, Any]:
     """Train ``spec`` with ZeRO-2 on this rank's share of each global batch (run it on every
     rank, e.g. through ``hookbench.core.launch.run``). Returns the full parameters after every
     step, and what each backward left behind: gradients on the model's parameters, the shard's
     gradient size, and the hook calls per parameter. ``groups``: param groups as (parameter
-    names, options). ``fault`` names a ``hookbench.measure.faults`` fault to inject; an error it
-    causes is returned, not raised, so every rank finishes. ``clipping``: clip the global
+    names, options); a fault reaches it by ``hookbench.measure.faults.run_under``'s rule.
+    ``clipping``: clip the global
     gradient norm to it before each step (``"grad_norms"``: the norms before clipping). In
     mixed precision also this rank's fp32 masters (``own_part``) before the first step
     (``"initial_masters"``) and after every step (``"masters"``); in fp16 the loss scale after
@@ -97,7 +97,6 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
         params = spec.optimizer_params(model)
     clipping = clipping or spec.clip_grad_norm or 0.0
     with contextlib.ExitStack() as stack:
-        stack.enter_context(inject(fault))  # before Zero2 registers its hooks
         try:
             zero = stack.enter_context(Zero2(model, optimizer_class, params,
                                              bucket_numel=bucket_numel, **kwargs))
@@ -111,56 +110,51 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
             scaler = None
         if mixed:
             result.update(initial_masters=own_masters(zero), masters=[])
-        try:
-            for i in range(steps):
-                for micro in range(accumulation):
-                    index = i * accumulation + micro
-                    x, y = local_batch(spec, index, rank, world, device)
-                    zero.hook_calls.clear()  # so that a backward whose hooks never fire shows
-                    # the random numbers (dropout) the reference draws for this share
-                    try:
-                        loss = spec.compute_loss(model, x, y, (index, rank)) / accumulation
-                    except (ValueError, RuntimeError) as e:
-                        if index:
-                            raise
-                        # the first forward, where Zero2 refuses what it sees only then (a
-                        # reentrant checkpoint in the graph), nothing reduced or stepped yet
-                        return {**result, "refused": f"{type(e).__name__}: {e}"}
-                    if zero.loss_scale is not None:
-                        loss = zero.scale(loss)
-                    elif scaler is not None:
-                        loss = scaler.scale(loss)
-                    loss.backward()
-                    after_backward.append({
-                        "param_grads": [n for n, p in model.named_parameters()
-                                        if p.grad is not None],
-                        "shard_grad_numel": sum(f.grad.numel() for f in zero.flats
-                                                if f.grad is not None),
-                        "hook_calls": dict(zero.hook_calls),
-                    })
-                if clipping:
-                    if scaler is not None:
-                        scaler.unscale_(zero)
-                    result["grad_norms"].append(float(zero.clip_grad_norm_(clipping)))
-                if scaler is None:
-                    zero.step()
-                else:  # every rank skips, or takes, the step alike (hookbench.mechanisms.zero2)
-                    scaler.step(zero)
-                    scaler.update()
-                zero.zero_grad()
-                if scheduler is not None:
-                    scheduler.step()
-                snapshots.append({n: p.detach().cpu().clone()
-                                  for n, p in model.named_parameters()})
-                if mixed:
-                    result["masters"].append(own_masters(zero))
+        for i in range(steps):
+            for micro in range(accumulation):
+                index = i * accumulation + micro
+                x, y = local_batch(spec, index, rank, world, device)
+                zero.hook_calls.clear()  # so that a backward whose hooks never fire shows
+                # the random numbers (dropout) the reference draws for this share
+                try:
+                    loss = spec.compute_loss(model, x, y, (index, rank)) / accumulation
+                except (ValueError, RuntimeError) as e:
+                    if index:
+                        raise
+                    # the first forward, where Zero2 refuses what it sees only then (a
+                    # reentrant checkpoint in the graph), nothing reduced or stepped yet
+                    return {**result, "refused": f"{type(e).__name__}: {e}"}
                 if zero.loss_scale is not None:
-                    result["loss_scales"].append(float(zero.loss_scale))
-            result["full_state"] = None if zero.simulated else zero.full_state_dict()
-        except Exception as e:  # noqa: BLE001 - under a fault anything may break; say what
-            if fault is None:
-                raise
-            result["error"] = f"{type(e).__name__}: {e}"
+                    loss = zero.scale(loss)
+                elif scaler is not None:
+                    loss = scaler.scale(loss)
+                loss.backward()
+                after_backward.append({
+                    "param_grads": [n for n, p in model.named_parameters()
+                                    if p.grad is not None],
+                    "shard_grad_numel": sum(f.grad.numel() for f in zero.flats
+                                            if f.grad is not None),
+                    "hook_calls": dict(zero.hook_calls),
+                })
+            if clipping:
+                if scaler is not None:
+                    scaler.unscale_(zero)
+                result["grad_norms"].append(float(zero.clip_grad_norm_(clipping)))
+            if scaler is None:
+                zero.step()
+            else:  # every rank skips, or takes, the step alike (hookbench.mechanisms.zero2)
+                scaler.step(zero)
+                scaler.update()
+            zero.zero_grad()
+            if scheduler is not None:
+                scheduler.step()
+            snapshots.append({n: p.detach().cpu().clone()
+                              for n, p in model.named_parameters()})
+            if mixed:
+                result["masters"].append(own_masters(zero))
+            if zero.loss_scale is not None:
+                result["loss_scales"].append(float(zero.loss_scale))
+        result["full_state"] = None if zero.simulated else zero.full_state_dict()
     return result
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from hookbench.core import launch
 from hookbench.engines import fsdp2
 from hookbench.measure import bounds, zero2_runs
+from hookbench.measure.faults import inject
 from hookbench.measure.memory import measure
 from hookbench.measure.parity import FAMILIES, compare, parameters_only, trajectory
 from hookbench.mechanisms import zero2
@@ -162,8 +163,8 @@ def test_release_checks_catch_a_hook_that_stops_firing():
         clean = zero2_runs.trajectory(0, 2, SPEC, cls, kw, 50, steps=2)
         assert all(a["param_grads"] == [] and len(a["hook_calls"]) == 8
                    for a in clean["after_backward"])
-        broken = zero2_runs.trajectory(0, 2, SPEC, cls, kw, 50, steps=2,
-                                  fault="stops_after_first_backward")
+        with inject("stops_after_first_backward"):
+            broken = zero2_runs.trajectory(0, 2, SPEC, cls, kw, 50, steps=2)
         second = broken["after_backward"][1]
         # The second backward's gradients stay on the parameters and no hook is counted:
         # both checks of test_gradients_released_and_each_hook_fired_once would fail.

@@ -61,6 +61,7 @@ import torch.distributed as dist
 from hookbench.core.deepspeed_import import MISSING, load
 from hookbench.core.workload import of
 from hookbench.measure import zero2_runs
+from hookbench.measure.faults import run_under
 from hookbench.measure.memory import StorageTracker
 from hookbench.measure.parity import Tolerance, compare
 from hookbench.mechanisms.zero2 import Zero2, _cast_inputs
@@ -251,12 +252,12 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
 
 def zero2_trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
                      bucket_numel: int, steps: int = 5, accumulation: int = 1,
-                     clipping: float = 0.0, fault: str | None = None) -> dict[str, Any]:
+                     clipping: float = 0.0) -> dict[str, Any]:
     """hookbench's side: ``zero2_runs.trajectory`` on the same terms (an fp32 model; in mixed
     precision, ``kwargs`` with ``param_dtype``, it also returns this rank's fp32 masters as
     ``trajectory`` returns DeepSpeed's: ``"initial_masters"``, ``"masters"``)."""
     return zero2_runs.trajectory(rank, world, _fp32(spec), optimizer_class, kwargs,
-                                 bucket_numel, steps, accumulation, fault, clipping=clipping)
+                                 bucket_numel, steps, accumulation, clipping=clipping)
 
 
 def peer_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -268,7 +269,7 @@ def peer_cases(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dict[
     for case in cases:
         case = dict(case)
         fault, masters = case.pop("fault", None), case.pop("masters", "original")
-        got = {"hookbench": zero2_trajectory(rank, world, fault=fault, **case)}
+        got = {"hookbench": run_under(fault, zero2_trajectory, rank, world, **case)}
         if fault is None:
             got["deepspeed"] = trajectory(rank, world, masters=masters, **case)
         out.append(got)
