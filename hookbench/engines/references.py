@@ -17,9 +17,11 @@ to in the report, the gate and the pytest plugin, which only ask for a verdict h
     noise_floor      per step and element, |DDP - single process|: how far two legal
                      references drift apart on this workload (another order of the same fp32
                      additions; BatchNorm over small shares amplifies it step by step)
-    judge            a ZeRO-2 run's row against both: DDP first, then the single process within
-                     the derived tolerance where DDP itself holds it, else within the measured
-                     noise floor, saying which
+    against_ddp, against_single, confirmed
+                     a run held to one reference: DDP, the single process (within the
+                     derived tolerance where DDP itself holds it, else within the measured
+                     noise floor), and DDP's own run, confirmed by another engine where it
+                     drifts; ``hookbench.gate.judge`` calls them in a row's declared order
 
 Why two: the single process accumulates ``loss / N`` per share, data parallelism sums the
 shares' gradients and divides; both are legal fp32 orders. On timm's resnet10t with SGD and
@@ -45,8 +47,9 @@ from hookbench.measure.faults import run_under
 from hookbench.measure.parity import (NoiseBounds, Snapshot, Tolerance, compare,
                                       parameters_only, rounding_level, training)
 
-__all__ = ["ENGINE_RUNS", "Key", "Measured", "arithmetic_differs", "ddp_beside", "floor_bounds",
-           "gathered", "judge", "largest", "measure", "noise_floor", "ranks", "single_process"]
+__all__ = ["ENGINE_RUNS", "Held", "Key", "Measured", "against_ddp", "against_single",
+           "arithmetic_differs", "confirmed", "ddp_beside", "floor_bounds", "gathered",
+           "largest", "measure", "noise_floor", "ranks", "single_process"]
 
 # A case's address in a launch: (workload, row, case), e.g. ("mlp", "engines/ddp", "ddp")
 Key = tuple[str, str, str]
@@ -190,61 +193,77 @@ def arithmetic_differs(workload: Workload, world: int) -> list[str]:
         if cond]
 
 
-def judge(workload: Workload, zero2: list[Snapshot], ddp: list[Snapshot] | None,
-          reference: list[Snapshot], rounding: list[Snapshot] | None, why: str,
-          tol: Tolerance, world: int = 2, differs: tuple[str, ...] = (),
-          no_ddp: str = "") -> dict[str, Any]:
-    """A ZeRO-2 run's parameters (rank 0's, every step) against DDP's (None: DDP could not run
-    it, and ``no_ddp`` says why) and the single process's (``why``: why float64 could not run
-    it, where ``rounding`` is None): ``problems``, ``parity`` (what was compared, in words)
-    and ``noise_floor`` (the largest |DDP - single process| per step).
+@dataclass(frozen=True)
+class Held:
+    """One reference's verdict on a row: what was compared, in words, and whether it held."""
+    words: str
+    ok: bool
 
-    Against DDP bit for bit, except where ZeRO-2's arithmetic differs by design: a clipping
-    norm summed shard by shard, a compiled model. Against the single process: within ``tol``
-    and the rounding-level bounds where DDP itself holds them (the derived tolerance is the
-    tighter one then); else within ``FLOOR_FACTOR`` x the measured noise floor, tensor by
-    tensor. Where the arithmetic differs (``arithmetic_differs``, or the engine's own
-    ``differs``: why, in words), against DDP within the tolerance and those bounds instead of
-    bit for bit."""
-    problems: list[str] = []
-    words: list[str] = []
-    floor = None
-    if ddp is not None:
-        reordered = world > 2 or bool(differs)  # the sums themselves in another order
-        differs = [*arithmetic_differs(workload, world), *differs]
-        floor = noise_floor(ddp, reference)
-        if reordered:
-            # another legal order of the same sums: within the tolerance and the rounding-level
-            # bounds (an attention key's bias, whose gradient is zero but for rounding: Adam
-            # turns either order's noise into whole steps; ViT on 4 ranks, 140x the tolerance
-            # without) or FLOOR_FACTOR x the measured noise floor, whichever is larger: two
-            # legal orders drift apart as far as DDP and the single process do
-            against = dataclasses.replace(compare(zero2, ddp, tol, floor_bounds(floor, rounding)),
-                                          rounding_level=0)
-            how = f"within tolerance and {FLOOR_FACTOR:g}x the noise floor"
-        else:  # the same sums, a clipping norm or a compiled kernel apart: the tolerance alone
-            against = compare(zero2, ddp, tol if differs else None)
-            how = "within tolerance"
-        words.append(f"vs DDP on the same shares: {against.verdict()}"
-                     + (f" ({'; '.join(differs)}: {how}, not bit for bit)" if differs else ""))
-        if not against.ok:
-            problems.append(words[-1])
-    else:
-        words.append(f"vs DDP: not compared ({no_ddp or why})")
-    derived = compare(ddp, reference, tol, rounding) if ddp is not None else None
+
+def against_ddp(workload: Workload, run: list[Snapshot], ddp: list[Snapshot],
+                single: list[Snapshot], rounding: list[Snapshot] | None, tol: Tolerance,
+                world: int, exact: bool, differs: str = "") -> Held:
+    """A run's parameters (rank 0's, every step) against DDP's on the same shares. Bit for bit
+    where the row declares DDP's arithmetic (``exact``), except where it differs by design
+    (``arithmetic_differs``: a clipping norm summed shard by shard, a compiled model; then
+    within ``tol``). Where the sums themselves come in another order (more than two ranks, or
+    a row not ``exact``: ``differs`` says why), within ``tol`` and the rounding-level bounds or
+    ``FLOOR_FACTOR`` x the measured noise floor |DDP - single process|, whichever is larger:
+    two legal orders drift apart as far as DDP and the single process do (an attention key's
+    bias, whose gradient is zero but for rounding: Adam turns either order's noise into whole
+    steps; ViT on 4 ranks, 140x the tolerance without)."""
+    reordered = world > 2 or not exact
+    why = [*arithmetic_differs(workload, world), *([differs] if differs else [])]
+    if reordered:
+        bounds = floor_bounds(noise_floor(ddp, single), rounding)
+        against = dataclasses.replace(compare(run, ddp, tol, bounds), rounding_level=0)
+        how = f"within tolerance and {FLOOR_FACTOR:g}x the noise floor"
+    else:  # the same sums, a clipping norm or a compiled kernel apart: the tolerance alone
+        against = compare(run, ddp, tol if why else None)
+        how = "within tolerance"
+    return Held(f"vs DDP on the same shares: {against.verdict()}"
+                + (f" ({'; '.join(why)}: {how}, not bit for bit)" if why else ""), against.ok)
+
+
+def against_single(run: list[Snapshot], single: list[Snapshot],
+                   rounding: list[Snapshot] | None, why: str, tol: Tolerance,
+                   floor_of: list[Snapshot] | None = None) -> Held:
+    """A run against the single process on the ranks' shares: within ``tol`` and the
+    rounding-level bounds (``why``: why there are none, where float64 could not run the
+    model). ``floor_of``: DDP's run, where the row's fallback is its noise floor: where DDP
+    itself holds the bound, the bound stays (the derived tolerance is the tighter one); where
+    DDP is further (another legal fp32 order), the run within ``FLOOR_FACTOR`` x the measured
+    noise floor |DDP - single process|, tensor by tensor."""
+    derived = compare(floor_of, single, tol, rounding) if floor_of is not None else None
     if derived is None or derived.ok:
-        result = compare(zero2, reference, tol, rounding)
+        result = compare(run, single, tol, rounding)
         how = "" if rounding is not None else f"; {why}, so no element is excused as noise"
         if derived is not None:
             how += "; DDP within the same tolerance"
     else:
-        result = compare(zero2, reference, tol, floor_bounds(floor, rounding))
+        result = compare(run, single, tol, floor_bounds(noise_floor(floor_of, single), rounding))
         result = dataclasses.replace(result, rounding_level=0)  # the bounds are the floor's
         how = (f"; DDP itself is {derived.ratio:.3g}x the tolerance from it (another legal fp32 "
                f"order), so judged within {FLOOR_FACTOR:g}x the measured noise floor per "
                f"tensor" + ("" if rounding is not None else f"; {why}"))
-    words.append(f"vs one process on the ranks' shares: {result.verdict()}{how}")
-    if not result.ok:
-        problems.append(words[-1])
-    return {"problems": problems, "parity": "; ".join(words),
-            "noise_floor": None if floor is None else largest(floor)}
+    return Held(f"vs one process on the ranks' shares: {result.verdict()}{how}", result.ok)
+
+
+def confirmed(ddp: list[Snapshot], peer: list[Snapshot] | None, single: list[Snapshot],
+              rounding: list[Snapshot] | None, tol: Tolerance, dtype: str) -> Held:
+    """DDP's own run against the single process: within ``tol`` and the rounding-level bounds;
+    where it is further, it holds only if ``peer`` (FSDP2 ZeRO-2: another order of the sums on
+    other tensors) drifts from the single process too, and stays within ``FLOOR_FACTOR`` x
+    the noise floor |DDP - single process| of DDP: no engine does DDP's arithmetic, so a DDP
+    that is wrong where FSDP2 is right fails."""
+    result = compare(ddp, single, tol, rounding)
+    words = f"vs one process on the ranks' shares: {result.verdict()}"
+    if result.ok or peer is None:
+        return Held(words, result.ok)
+    bounds = floor_bounds(noise_floor(ddp, single), rounding)
+    if compare(peer, single, tol, rounding).ok or not compare(peer, ddp, tol, bounds).ok:
+        return Held(words, False)
+    return Held(f"vs one process on the ranks' shares: {result.ratio:.3g}x the tolerance, "
+                f"another legal {dtype} order, confirmed by FSDP2 ZeRO-2 drifting from it too "
+                f"and within {FLOOR_FACTOR:g}x the noise floor of DDP: this workload's noise "
+                f"floor", True)

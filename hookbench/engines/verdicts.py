@@ -1,4 +1,4 @@
-"""A workload under the engines: which runs to start on the ranks, and each engine's verdict.
+"""A workload under the engines: which runs to start on the ranks, and each row's own checks.
 
     ENGINES          the rows, ``<workload>/engines/<engine>``:
                        ddp                DDP, ACCUMULATION micro-batches per step, the first
@@ -9,61 +9,33 @@
                        fsdp2_in_backward  zero3 with ``OptimizerInBackward`` on the shards
     not_applicable   the engines that cannot train a workload, and why, before any rank starts
     cases            the runs for ``references.ranks`` (a fault goes into every engine run)
-    measure_references  what the rows are held to, measured once after the ranks ran
-    judge            the rows from what the ranks returned and those references
+    *_checked        each ranks row's own checks (ZeRO-2's, DDP's, FSDP2's, DeepSpeed's):
+                     what ``hookbench.gate.rows`` names as an entry's ``checker``
 
-What each row is held to:
-    ddp       every bucket reduced once per synced backward, none under ``no_sync()`` (the
-              comm hook's calls); both ranks' parameters equal; against one process training
-              on the ranks' shares with the same accumulation within the derived tolerance and
-              rounding-level bounds (``references``). Where DDP is further from it than that
-              (BatchNorm over small shares: another legal fp32 order), it holds only if FSDP2
-              ZeRO-2, another engine, drifts from it too and stays within 2x the measured
-              noise floor |DDP - single process| of DDP. With the team's comm hook
-              (``Workload.ddp["comm_hook"]``): that hook applied by hand to the same inputs,
-              bit for bit (``ddp.by_hand``); DDP without it is held as above and is what the
-              other engines are compared with.
-    fsdp2_*   every shard's post-accumulate-grad hook called once per run of its unit in a
-              synced backward (``fsdp2.unit_runs``, ``fsdp2.hook_problems``; none for a shard
-              without a gradient) with its reduced shard gradient, never without sync; no gathered gradient left; both ranks equal. fp32: against DDP
-              within the tolerance and 2x the measured noise floor, never bit for bit (FSDP2
-              computes on gathered copies of the parameters, on which other kernels may run,
-              and reduces its own buckets; bit-exactness is reported where it happens), then
-              against one process as ZeRO-2 is (``references.judge``). bf16: FSDP2 runs
-              ``MixedPrecisionPolicy(bf16, reduce fp32)``, other arithmetic than DDP's autocast;
-              its fp32 shards against ``zero2_runs.mixed_reference`` (a bf16 model, fp32
-              masters, the same reduction) within the bf16 tolerance (bit for bit on Llama,
-              not on every model).
-    fsdp2_in_backward   also no shard gradient left after its step; bit for bit fsdp2_zero3
-              (the same arithmetic, stepped earlier); refused in words with clipping, fp16 or
-              a unit run several times per forward (``fsdp2.repeated_units``).
+What each row is compared with, in which order and within which bound, is its entry in
+``hookbench.gate.rows``; ``hookbench.gate.judge`` judges every ranks row by it.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hookbench.core.workload import Workload
-from hookbench.engines import ddp, deepspeed, fsdp2, references
+from hookbench.engines import ddp, deepspeed, fsdp2
 from hookbench.engines.loop import ACCUMULATION
 from hookbench.measure import zero2_runs
-from hookbench.measure.bounds import FLOOR_FACTOR
-from hookbench.measure.parity import Tolerance, compare
+from hookbench.measure.parity import compare
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
-__all__ = ["ENGINES", "PEERS", "cannot_run", "cases", "judge", "measure_references",
-           "not_applicable", "sparse_gradients"]
+__all__ = ["ENGINES", "PEERS", "Checked", "cannot_run", "cases", "ddp_checked",
+           "deepspeed_checked", "fsdp2_checked", "not_applicable", "sparse_gradients",
+           "zero2_checked"]
 
 ENGINES = ("ddp", "fsdp2_zero2", "fsdp2_zero3", "fsdp2_in_backward")
-# Why DeepSpeed's sums are not DDP's (``hookbench.engines.deepspeed``)
-DEEPSPEED_DIFFERS = ("DeepSpeed reduces every micro-batch's gradients and sums them in its "
-                     "partition (no no-sync)",)
-# Why FSDP2's sums are not DDP's (``judge``)
-FSDP2_DIFFERS = ("FSDP2 computes on gathered copies of the parameters and reduce-scatters its "
-                 "own buckets",)
 # Beside the engines in ``hookbench engines`` only: the gate's rows must not depend on an
 # optional install (deepspeed, the peers extra)
 PEERS = ("deepspeed_zero2",)
@@ -162,187 +134,80 @@ def _ranks_agree(got: list[dict[str, Any]]) -> list[str]:
             if not compare(g["snapshots"], got[0]["snapshots"]).bit_exact]
 
 
-def _trained(ranks: list[dict[str, Any]]) -> bool:
-    return not any(r.get("error") for r in ranks) and not (
-        "refused" in ranks[0] or "torch_refuses" in ranks[0])
+@dataclass
+class Checked:
+    """A row's own checks (``hookbench.gate.rows``' ``checker``): what they found wrong, what
+    they say ran beside what was declared (after the references' words), and what the row
+    keeps of them."""
+    problems: list[str] = field(default_factory=list)
+    words: list[str] = field(default_factory=list)
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
-def measure_references(workload: Workload, got: dict[str, list[dict[str, Any]]],
-                       kwargs: dict[str, Any], steps: int, world: int) -> references.Measured:
-    """The references ``judge`` holds the engines in ``got`` to, each measured once: the
-    single process with the engines' accumulation, and the mixed-precision reference in the
-    dtypes FSDP2 computes and reduces in, where not the shards' (hookbench's policy under bf16,
-    or the one the workload declares: ``Workload.fsdp2``) and an FSDP2 engine trained."""
-    trained = {e for e, ranks in got.items() if _trained(ranks)}
-    mixed = []
-    dtypes = fsdp2.mixed_dtypes(workload)
-    if dtypes and trained & {"fsdp2_zero2", "fsdp2_zero3"}:
-        mixed.append(dtypes)
-    if workload.precision == "bf16" and "deepspeed_zero2" in trained:
-        mixed.append((torch.bfloat16, torch.float32))
-    return references.measure(workload, kwargs, steps, world, ACCUMULATION, tuple(mixed))
+def zero2_checked(workload: Workload, ranks: list[dict[str, Any]],
+                  results: dict[str, list[dict[str, Any]]]) -> Checked:
+    """ZeRO-2's: every hook once per backward, no gradient left on a parameter, the ranks
+    agree (``zero2_runs.rank_problems``), and so do DDP's beside it."""
+    ddp = results["DDP on the same shares"]
+    return Checked(zero2_runs.rank_problems(ranks) + (
+        [] if all(compare(d["snapshots"], ddp[0]["snapshots"]).bit_exact for d in ddp[1:])
+        else ["DDP's ranks hold different parameters"]))
 
 
-def judge(workload: Workload, got: dict[str, list[dict[str, Any]]], measured: references.Measured,
-          world: int, tol: Tolerance) -> dict[str, dict[str, Any]]:
-    """Each engine's row from its ranks' results (``got``: engine -> per-rank results) and the
-    references measured for them (``measure_references``): ``problems``, ``parity`` (what was
-    compared, in words) and ``snapshots`` (rank 0's), or a designed outcome (``refused``:
-    hookbench's; ``torch_refuses``: torch would not wrap it)."""
+def ddp_checked(workload: Workload, ranks: list[dict[str, Any]],
+                results: dict[str, list[dict[str, Any]]]) -> Checked:
+    """DDP's: every bucket reduced once per synced backward and none under ``no_sync()`` (the
+    comm hook's calls), the declared settings run, the ranks agree."""
     with torch.device("meta"):
         trainable = [n for n, p in workload.build().named_parameters() if p.requires_grad]
-    single, rounding, why = measured.single, measured.rounding, measured.why
-    # FSDP2 is never DDP's arithmetic: it computes on gathered copies of the parameters (other
-    # tensors, so other kernels may run: seen 5.4e-07 on a diffusers UNet's conv_in after one
-    # step) and reduce-scatters its own buckets; and a unit run several times per forward (a
-    # layer shared across depth) it reduces in pieces, once per run
-    fsdp2_differs = (FSDP2_DIFFERS + (("FSDP2 reduces a unit run several times per forward in "
-                                       "pieces, once per run",)
-                                      if any(e.startswith("fsdp2") for e in got)
-                                      and fsdp2.repeated_units(workload) else ()))
-    out: dict[str, dict[str, Any]] = {}
-    for engine, ranks in got.items():
-        if any(r.get("error") for r in ranks):
-            out[engine] = {"problems": [f"rank {i}: {r['error']}"
-                                        for i, r in enumerate(ranks) if r.get("error")]}
-        elif "refused" in ranks[0] or "torch_refuses" in ranks[0]:  # designed: recorded
-            out[engine] = {k: ranks[0][k] for k in ("refused", "torch_refuses") if k in ranks[0]}
-        else:
-            if engine == "ddp":
-                problems = (ddp.bucket_problems(ranks[0]["after_backward"], trainable)
-                            + ddp.setting_problems(workload.ddp, ranks[0]))
-            elif engine.startswith("fsdp2"):
-                problems = (fsdp2.hook_problems(ranks[0]["after_backward"],
-                                                fsdp2.unit_runs(workload),
-                                                engine == "fsdp2_in_backward")
-                            + fsdp2.setting_problems(workload.fsdp2, ranks[0]))
-            else:  # DeepSpeed's own hooks are its business: its settings and parity are judged
-                problems = deepspeed.setting_problems(workload, ranks[0])
-            out[engine] = {"problems": problems + _ranks_agree(ranks),
-                           "snapshots": ranks[0]["snapshots"]}
-        if ranks[0].get("warnings"):  # said in the row, not on the terminal
-            out[engine]["warnings"] = ranks[0]["warnings"]
-    snaps = {e: row["snapshots"] for e, row in out.items() if "snapshots" in row}
-    hook = (workload.ddp or {}).get("comm_hook")
-    if hook is not None and "ddp" in snaps:  # the arithmetic the other engines share with DDP
-        snaps["ddp"] = got["ddp"][0]["plain"]
-    mixed = workload.precision == "bf16"
-    fsdp2_dtypes = fsdp2.mixed_dtypes(workload)
-    for engine, row in out.items():
-        if "snapshots" not in row:
-            continue
-        words = []
-        dtypes = (fsdp2_dtypes if engine.startswith("fsdp2")
-                  else (torch.bfloat16, torch.float32) if mixed else None)
-        if engine == "ddp":
-            plain = ""
-            if hook is not None:
-                # the team's hook is its own arithmetic (lossy compression, low rank): held bit
-                # for bit to itself applied by hand to the same inputs; DDP without it to the
-                # one process below, and what the hook changes is said
-                by_hand = compare(row["snapshots"], got["ddp"][0]["by_hand"])
-                words.append(f"comm hook {ddp.in_words(hook)}: vs the hook applied by hand "
-                             f"to each rank's accumulated gradients in DDP's buckets: "
-                             f"{by_hand.verdict()}")
-                if not by_hand.ok:
-                    row["problems"].append(words[-1])
-                moved = compare(row["snapshots"], snaps["ddp"])
-                words.append("the hook changes nothing against DDP without it" if moved.bit_exact
-                             else f"the hook moves the parameters up to {moved.max_abs:.3g} "
-                                  f"from DDP without it ({moved.where})")
-                plain = "DDP without the hook "
-            result = compare(snaps["ddp"], single, tol, rounding)
-            words.append(f"{plain}vs one process on the ranks' shares: {result.verdict()}")
-            # the yardstick the baseline keeps: how far two legal references drift apart on
-            # this workload, step by step (the gate holds a later torch to it)
-            row["noise_floor"] = references.largest(references.noise_floor(snaps["ddp"], single))
-            peer = snaps.get("fsdp2_zero2")
-            if not result.ok and not mixed and peer is not None:
-                # no engine does DDP's arithmetic: FSDP2 ZeRO-2, another order of the sums on
-                # other tensors, must drift from the single process too (a DDP that is wrong
-                # where FSDP2 is right fails), and stay within the noise floor's bounds of DDP
-                bounds = references.floor_bounds(references.noise_floor(snaps["ddp"], single),
-                                                 rounding)
-                confirmed = (not compare(peer, single, tol, rounding).ok
-                             and compare(peer, snaps["ddp"], tol, bounds).ok)
-                by = (f"drifting from it too and within {FLOOR_FACTOR:g}x the noise "
-                      f"floor of DDP")
-            else:
-                confirmed, by = False, ""
-            if confirmed:
-                words[-1] = (f"{plain}vs one process on the ranks' shares: {result.ratio:.3g}x "
-                             f"the tolerance, another legal {_short(workload.parameter_dtype)} "
-                             f"order, confirmed by FSDP2 ZeRO-2 "
-                             f"{by}: this workload's noise floor")
-            elif not result.ok:
-                row["problems"].append(words[-1])
-            if workload.ddp:  # what torch says it runs, beside what was declared
-                words.append(f"declared {ddp.described(workload.ddp)}; DDP reports "
-                             f"{ddp.described(got['ddp'][0]['settings'])}")
-        elif engine == "fsdp2_in_backward":
-            if "fsdp2_zero3" in snaps:
-                result = compare(row["snapshots"], snaps["fsdp2_zero3"])
-                words.append(f"vs FSDP2 ZeRO-3 with a standard step: {result.verdict()}")
-                if not result.ok:
-                    row["problems"].append(words[-1])
-            else:
-                row["problems"].append("no FSDP2 ZeRO-3 run to compare with")
-        elif dtypes:
-            # within the bf16 tolerance and the rounding-level bounds DDP's row has, not bit for
-            # bit: the same arithmetic on Llama, not on a checkpointed LayerNorm model
-            # (charlm-bf16-ckpt: 1.9e-4 on norm.bias, an Adam step on a gradient at rounding
-            # level), so bit-exactness is reported, not required
-            assert dtypes in measured.mixed, f"no {dtypes} reference measured for {engine}"
-            result = compare(row["snapshots"], measured.mixed[dtypes], tol, rounding)
-            reduced = "" if dtypes[1] == torch.float32 else f", {_short(dtypes[1])} reductions"
-            words.append(f"fp32 shards vs one process with {_short(dtypes[0])} parameters"
-                         f"{reduced} and fp32 masters: {result.verdict()}")
-            if not result.ok:
-                row["problems"].append(words[-1])
-        else:
-            # where DDP did not train (it failed on a declared setting, or with reentrant
-            # checkpointing: its own words are in its row), one process is the yardstick alone
-            ddp_failed = (None if "ddp" in snaps else
-                          "DDP did not train the workload: its row says why"
-                          if "ddp" in got else "no DDP run")
-            verdict = references.judge(workload, row["snapshots"], snaps.get("ddp"), single,
-                                       rounding, why, tol, world,
-                                       DEEPSPEED_DIFFERS if engine == "deepspeed_zero2"
-                                       else fsdp2_differs, no_ddp=ddp_failed or "")
-            words.append(verdict["parity"])
-            row["problems"] += verdict["problems"]
-            if engine == "deepspeed_zero2" and workload.deepspeed:
-                words.append(deepspeed.described(workload, got[engine][0]))
-        if engine.startswith("fsdp2"):
-            words.append(f"{got[engine][0]['units']} blocks sharded besides the root")
-            if workload.fsdp2:  # what FSDP2 ran, beside what was declared
-                words.append(f"declared {fsdp2.described(workload.fsdp2)}; FSDP2 runs "
-                             f"{fsdp2.described(got[engine][0]['settings'])}")
-            words.append(_gradient_memory(engine, got[engine][0], row))
-        row["parity"] = "; ".join(words)
-    return out
+    said = ([f"declared {ddp.described(workload.ddp)}; DDP reports "
+             f"{ddp.described(ranks[0]['settings'])}"] if workload.ddp else [])
+    return Checked(ddp.bucket_problems(ranks[0]["after_backward"], trainable)
+                   + ddp.setting_problems(workload.ddp, ranks[0]) + _ranks_agree(ranks), said)
 
 
-def _short(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(
-        dtype, str(dtype))
+def fsdp2_checked(in_backward: bool):
+    """FSDP2's: every shard's post-accumulate-grad hook once per run of its unit in a synced
+    backward (``fsdp2.hook_problems``; with the optimizer in backward also no shard gradient
+    left after its step), the declared settings run, the ranks agree, and the shard gradients
+    held at once within what the engine is for (``_gradient_memory``)."""
+    def checked(workload: Workload, ranks: list[dict[str, Any]],
+                results: dict[str, list[dict[str, Any]]]) -> Checked:
+        rank0 = ranks[0]
+        problems = (fsdp2.hook_problems(rank0["after_backward"], fsdp2.unit_runs(workload),
+                                        in_backward)
+                    + fsdp2.setting_problems(workload.fsdp2, rank0) + _ranks_agree(ranks))
+        said = [f"{rank0['units']} blocks sharded besides the root"]
+        if workload.fsdp2:  # what FSDP2 ran, beside what was declared
+            said.append(f"declared {fsdp2.described(workload.fsdp2)}; FSDP2 runs "
+                        f"{fsdp2.described(rank0['settings'])}")
+        held, words, kept = _gradient_memory(in_backward, rank0)
+        return Checked(problems + ([] if held else [words]), [*said, words],
+                       {"shard_grad_bytes": kept})
+    return checked
 
 
-def _gradient_memory(engine: str, rank0: dict[str, Any], row: dict[str, Any]) -> str:
+def deepspeed_checked(workload: Workload, ranks: list[dict[str, Any]],
+                      results: dict[str, list[dict[str, Any]]]) -> Checked:
+    """DeepSpeed's: its declared config runs (its own hooks are its business), the ranks
+    agree."""
+    return Checked(deepspeed.setting_problems(workload, ranks[0]) + _ranks_agree(ranks),
+                   [deepspeed.described(workload, ranks[0])] if workload.deepspeed else [])
+
+
+def _gradient_memory(in_backward: bool, rank0: dict[str, Any]
+                     ) -> tuple[bool, str, dict[str, int]]:
     """The most bytes of shard gradients rank 0 held at once in a synced backward, against
     what the engine is for: a standard step holds every shard's gradient at the step (ZeRO-2's
     4 Psi / N in fp32, Psi the trainable parameters, N the ranks; FSDP2 pads dim 0 to N
     rows); the optimizer in backward frees each unit's before the next unit's arrive, so at
     most the largest unit's. More than that: a gradient kept, or one that is not a shard.
-    Kept in the row as ``shard_grad_bytes``."""
+    Whether it held, in words, and what the row keeps as ``shard_grad_bytes``."""
     peak = max(seen["peak_shard_grad_bytes"] for seen in rank0["after_backward"]
                if seen["synced"])
     units, whole = rank0["unit_bytes"], sum(rank0["unit_bytes"])
-    bound, of = ((max(units), "the largest unit's shards") if engine == "fsdp2_in_backward"
+    bound, of = ((max(units), "the largest unit's shards") if in_backward
                  else (whole, "all the rank's shards, 4 Psi / N"))
     words = (f"shard gradients held at once: at most {peak:,} B on rank 0 ({of}: "
              f"{bound:,} B of {whole:,} B)")
-    row["shard_grad_bytes"] = {"peak": peak, "bound": bound, "all": whole}
-    if peak > bound:
-        row["problems"].append(words)
-    return words
+    return peak <= bound, words, {"peak": peak, "bound": bound, "all": whole}

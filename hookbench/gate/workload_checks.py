@@ -39,11 +39,11 @@ from hookbench.core.workload import Workload, describe
 from hookbench.gate.baselines import fingerprint
 from hookbench.gate.checks import Run, Section, trajectory_verdict
 from hookbench.gate import rows
+from hookbench.gate.judge import Runs, judge_row, refused_words, trained
 from hookbench.gate.memory import amount, memory_verdict
 from hookbench.engines import fsdp2, references, verdicts
-from hookbench.engines.loop import Refused
+from hookbench.engines.loop import ACCUMULATION, Refused
 from hookbench.engines.memory import rank_peak
-from hookbench.measure import zero2_runs
 from hookbench.measure.bounds import (STEP_TEMPORARIES, YARDSTICK_HEADROOM, data_parallel_bound,
                                       trajectory_bound)
 from hookbench.measure.memory import MemoryResult, measure_or_fall_back
@@ -52,8 +52,8 @@ from hookbench.measure.parity import (AGAINST_FORLOOP, Tolerance, accepts, compa
                                       without_implementation)
 
 __all__ = ["BATCHES", "DESIGNED", "MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS",
-           "bucket", "capture", "engine_memory", "engine_rows", "engine_runs", "forloop_options",
-           "live_verdict", "measure_all", "memory", "not_applicable", "refusal",
+           "bucket", "capture", "engine_memory", "engine_references", "engine_rows",
+           "engine_runs", "forloop_options", "live_verdict", "measure_all", "memory", "not_applicable", "refusal",
            "refused_words", "say_warnings", "strategies", "trajectories", "transform", "zero2"]
 
 FAULTS = None
@@ -88,11 +88,6 @@ def forloop_options(workload: Workload) -> dict[str, Any]:
 # The rows of a designed outcome, and what each says.
 DESIGNED = {"refused": "refuses, as designed", "not_applicable": "does not apply",
             "torch_refuses": "torch refuses it, in its words"}
-
-
-def refused_words(error: str) -> str:
-    """A refusal as a row shows it: the exception's type and the message's first clause."""
-    return ": ".join(error.split(": ")[:2])
 
 
 def _refused(workload: Workload, strategy: str) -> dict[str, Any]:
@@ -178,40 +173,46 @@ def zero2_case(workload: Workload, fault: str | None = None, steps: int = STEPS
                 fault=fault, key=(workload.name, "zero2", "zero2"))
 
 
+def _row_from(entry: rows.Row, runs: Runs) -> dict[str, Any]:
+    """Row ``entry`` judged (``hookbench.gate.judge``), with a fingerprint of rank 0's
+    parameters and the bound it was held to, and the warnings its run raised."""
+    row = judge_row(entry, runs)
+    if "snapshots" in row:
+        row = {**fingerprint(row.pop("snapshots"), SAMPLE), **row,
+               "tolerance": {"rtol": runs.tol.rtol, "atol": runs.tol.atol}}
+    warned = runs.results[entry.name][0].get("warnings")
+    return {**row, "warnings": warned} if warned else row
+
+
 def zero2_row(workload: Workload, case: dict[str, Any], got: list[dict[str, Any]],
               ddp: list[dict[str, Any]], measured: references.Measured | None,
               world: int = ZERO2_RANKS) -> dict[str, Any]:
     """ZeRO-2's row from what each rank returned for ``case`` (``got``), for DDP's case beside
     it (``ddp``) and the references measured for it (``zero2_references``; None where ZeRO-2
-    did not train): refused as designed, or judged against DDP and the single process
-    (``references.judge``), every hook once, no gradient left."""
-    why = refusal(workload, "zero2")
-    if any("refused" in g for g in got):
-        return ({"refused": refused_words(got[0]["refused"])} if why else
-                {"problems": [f"ZeRO-2 refused: {got[0]['refused']}"]})
-    if why:
-        return {"problems": [f"ZeRO-2 trained the workload; it must refuse ({why})"]}
-    problems = zero2_runs.rank_problems(got)
-    if any(g["error"] for g in got):
-        return {"problems": problems}
-    assert measured is not None, "ZeRO-2 trained: its references must have been measured"
-    if not all(compare(d["snapshots"], ddp[0]["snapshots"]).bit_exact for d in ddp[1:]):
-        problems.append("DDP's ranks hold different parameters")
-    t = data_parallel_bound(workload)
-    verdict = references.judge(workload, got[0]["snapshots"], ddp[0]["snapshots"],
-                               measured.single, measured.rounding, measured.why, t, world)
-    return {**fingerprint(got[0]["snapshots"], SAMPLE), "warnings": got[0].get("warnings", []),
-            "problems": problems + verdict["problems"], "parity": verdict["parity"],
-            "noise_floor": verdict["noise_floor"],
-            "tolerance": {"rtol": t.rtol, "atol": t.atol}}
+    did not train), as its entry declares (``rows.ZERO2_ROW``)."""
+    runs = Runs(workload, {"zero2": got, "DDP on the same shares": ddp},
+                measured or references.Measured([], None, ""), data_parallel_bound(workload),
+                world)
+    return _row_from(rows.ZERO2_ROW, runs)
 
 
 def zero2_references(workload: Workload, case: dict[str, Any], got: list[dict[str, Any]],
                      world: int = ZERO2_RANKS) -> references.Measured | None:
     """The single process ZeRO-2's row is held to, measured once, where ZeRO-2 trained."""
-    if any("refused" in g or g.get("error") for g in got):
+    if not trained(got):
         return None
     return references.measure(workload, case["kwargs"], case["steps"], world)
+
+
+def measure_references(workload: Workload, results: dict[str, list[dict[str, Any]]],
+                       kwargs: dict[str, Any], steps: int, world: int) -> references.Measured:
+    """The references the engine rows that trained (``results``, by row name) declare, each
+    measured once: the single process with the engines' accumulation, and a mixed-precision
+    reference for each (compute, reduce) dtype pair a row declares."""
+    mixed = {ref.dtypes(workload) for name, ranks in results.items() if trained(ranks)
+             for ref in rows.ROWS[name].references_for(workload) if ref.dtypes}
+    return references.measure(workload, kwargs, steps, world, ACCUMULATION,
+                              tuple(sorted(mixed, key=str)))
 
 
 def _measured(fn: Any) -> tuple[Any, list[str]]:
@@ -229,9 +230,10 @@ def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 
           with_zero2: bool = True, with_engines: bool = True) -> dict[str, dict[str, Any]]:
     """ZeRO-2 on ``ZERO2_RANKS`` gloo ranks for every workload, torch's DDP beside it, and the
     engines' runs (``engines.verdicts``), from one start of the ranks (a fault is injected
-    into ZeRO-2 and the engines, never into the DDP that judges ZeRO-2): ZeRO-2's rows
-    (``zero2_row``); each engine's row as ``verdicts.judge`` holds it. ``with_zero2=False``:
-    the engines' rows only; ``with_engines=False``: ZeRO-2's only."""
+    into ZeRO-2 and the engines, never into the DDP that judges ZeRO-2); then every
+    reference, each measured once; then every row judged as its entry declares
+    (``hookbench.gate.judge``). ``with_zero2=False``: the engines' rows only;
+    ``with_engines=False``: ZeRO-2's only."""
     cases = [zero2_case(w, fault) for w in (workloads if with_zero2 else ())]
     engined = workloads if with_engines else []
     stopped, engine_cases = engine_runs(engined, fault)
@@ -239,18 +241,33 @@ def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 
         references.ranks, ZERO2_RANKS,
         [*cases, *references.ddp_beside(cases), *(c for w in engine_cases for c in w)],
         timeout=timeout))
+    zero2_results = {w.name: {"zero2": got[case["key"]],
+                              "DDP on the same shares": got[(w.name, "zero2", "ddp")]}
+                     for w, case in zip(workloads, cases)}
     # the references, each measured once, before any row is judged
     measured = {w.name: _measured(lambda w=w, case=case: zero2_references(
         w, case, got[case["key"]])) for w, case in zip(workloads, cases)}
-    out = engine_rows(engined, stopped, got)
-    for w, case in zip(workloads, cases):
-        reference, said = measured[w.name]
-        out[f"{w.name}/zero2"] = (_with_warnings(reference, said)
-                                  if isinstance(reference, dict) else
-                                  _row(lambda w=w, case=case, reference=reference: zero2_row(
-                                      w, case, got[case["key"]], got[(w.name, "zero2", "ddp")],
-                                      reference), said))
+    engines_measured = engine_references(engined, stopped, got)
+    out = engine_rows(engined, stopped, got, measured=engines_measured)
+    for w in workloads[:len(cases)]:
+        out[f"{w.name}/zero2"] = _judged(w, zero2_results[w.name], measured[w.name],
+                                         ZERO2_RANKS)["zero2"]
     return out
+
+
+def _judged(w: Workload, results: dict[str, list[dict[str, Any]]],
+            measured: tuple[references.Measured | dict | None, list[str]], world: int
+            ) -> dict[str, dict[str, Any]]:
+    """Each row of ``results`` (by row name: ZeRO-2's, or the engines' that ran) judged against
+    its references, measured already (``_measured``: a row's ``error`` where measuring them
+    stopped); measuring's warnings go into each row."""
+    reference, said = measured
+    names = [n for n in results if n in rows.ROWS]
+    if isinstance(reference, dict):  # measuring the references stopped: so does every row
+        return {n: _with_warnings(reference, said) for n in names}
+    runs = Runs(w, results, reference or references.Measured([], None, ""),
+                data_parallel_bound(w), world)
+    return {n: _row(lambda n=n: _row_from(rows.ROWS[n], runs), said) for n in names}
 
 
 def _with_warnings(row: dict[str, Any], said: list[str]) -> dict[str, Any]:
@@ -277,63 +294,43 @@ def engine_runs(workloads: list[Workload], fault: str | None, world: int = ZERO2
                                     engines) for w in workloads]
 
 
+def _engine_results(w: Workload, stopped: dict[str, dict[str, str]],
+                    got: dict[references.Key, list[dict[str, Any]]],
+                    engines: tuple[str, ...]) -> dict[str, list[dict[str, Any]]]:
+    return {f"engines/{e}": got[(w.name, f"engines/{e}", e)] for e in engines
+            if e not in stopped}
+
+
+def engine_references(workloads: list[Workload], stopped: dict[str, dict[str, dict[str, str]]],
+                      got: dict[references.Key, list[dict[str, Any]]],
+                      world: int = ZERO2_RANKS, engines: tuple[str, ...] = verdicts.ENGINES
+                      ) -> dict[str, tuple[references.Measured | dict, list[str]]]:
+    """Per workload whose engines ran, the references their rows declare, measured once
+    (``measure_references``), with the warnings measuring them raised."""
+    results = {w.name: _engine_results(w, stopped[w.name], got, engines) for w in workloads}
+    return {w.name: _measured(lambda w=w: measure_references(
+        w, results[w.name], forloop_options(w), STEPS, world)) for w in workloads
+            if results[w.name]}
+
+
 def engine_rows(workloads: list[Workload], stopped: dict[str, dict[str, dict[str, str]]],
                 got: dict[references.Key, list[dict[str, Any]]], world: int = ZERO2_RANKS,
-                engines: tuple[str, ...] = verdicts.ENGINES) -> dict[str, dict[str, Any]]:
+                engines: tuple[str, ...] = verdicts.ENGINES,
+                measured: dict[str, tuple[references.Measured | dict, list[str]]] | None = None
+                ) -> dict[str, dict[str, Any]]:
     """The ``name/engines/<engine>`` rows of ``engine_runs``'s runs from what the ranks
-    returned for them (``got``: by key, each case's results in rank order)."""
-    ran = {w.name: {e: got[(w.name, f"engines/{e}", e)] for e in engines
-                    if e not in stopped[w.name]} for w in workloads}
-    # the references, each measured once, before any row is judged
-    measured = {w.name: _measured(lambda w=w: verdicts.measure_references(
-        w, ran[w.name], forloop_options(w), STEPS, world)) for w in workloads if ran[w.name]}
+    returned for them (``got``: by key, each case's results in rank order): those that did
+    not run as ``stopped`` says; the others judged against their references (``measured``:
+    ``engine_references``', measured here where not given)."""
+    if measured is None:
+        measured = engine_references(workloads, stopped, got, world, engines)
     out: dict[str, dict[str, Any]] = {}
     for w in workloads:
-        out.update(_engine_rows(w, stopped[w.name], ran[w.name], measured.get(w.name),
-                                world, engines))
+        results = _engine_results(w, stopped[w.name], got, engines)
+        judged = _judged(w, results, measured[w.name], world) if results else {}
+        out.update({f"{w.name}/engines/{e}": stopped[w.name].get(e) or judged[f"engines/{e}"]
+                    for e in engines})
     return out
-
-
-def _engine_rows(w: Workload, stopped: dict[str, dict[str, str]],
-                 ran: dict[str, list[dict[str, Any]]],
-                 measured: tuple[references.Measured | dict, list[str]] | None, world: int,
-                 engines: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """``name/engines/<engine>`` rows: a fingerprint of rank 0's parameters, the verdict."""
-    reference, said = measured or ({}, [])
-
-    def judged() -> dict[str, dict[str, Any]]:
-        t = data_parallel_bound(w)
-        by_engine = verdicts.judge(w, ran, reference, world, t)
-        for engine, row in by_engine.items():
-            if "snapshots" in row:
-                snapshots = row.pop("snapshots")
-                by_engine[engine] = {**fingerprint(snapshots, SAMPLE), **row,
-                                     "tolerance": {"rtol": t.rtol, "atol": t.atol}}
-            elif "refused" in row:
-                by_engine[engine] = {"refused": refused_words(row["refused"])}
-        # the optimizer in backward under FSDP2 refuses what it refuses on one device
-        got = by_engine.get("fsdp2_in_backward", {})
-        why = rows.ROWS["engines/fsdp2_in_backward"].refuses(w) if got else None
-        if "torch_refuses" in got:
-            pass  # FSDP2 itself would not wrap the model: nothing was stepped
-        elif why and "refused" not in got and "fsdp2_in_backward" in by_engine:
-            got.setdefault("problems", []).append(f"trained the workload; it must refuse ({why})")
-        elif not why and "refused" in got:
-            by_engine["fsdp2_in_backward"] = {"problems": [f"refused: {got['refused']}"]}
-        return by_engine
-
-    said = list(said)
-    if not ran:
-        by_engine: dict[str, Any] = {}
-    elif isinstance(reference, dict):  # measuring the references stopped: so does every row
-        by_engine = reference
-    else:
-        with warnings_kept(said):  # while judging, as while measuring
-            by_engine = attempt(judged)
-    if "error" in by_engine or "skipped" in by_engine:  # the judging stopped: every row says so
-        return {f"{w.name}/engines/{e}": by_engine for e in engines}
-    return {f"{w.name}/engines/{e}": stopped.get(e) or _with_warnings(by_engine[e], said)
-            for e in engines}
 
 
 def capture(workload: Workload) -> dict[str, dict[str, Any]]:

@@ -20,7 +20,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_
 from hookbench import Workload
 from hookbench.core import launch
 from hookbench.engines import ddp, deepspeed, fsdp2, references, verdicts
-from hookbench.gate import workload_checks
+from hookbench.gate import rows as registry, workload_checks
+from hookbench.gate.judge import Runs, judge_row
 from hookbench.measure import bounds
 from hookbench.measure.faults import inject
 
@@ -440,7 +441,8 @@ def test_the_optimizer_in_backward_refuses_to_count_micro_batches_on_fsdp2_shard
 
 
 def _judged_on_four_ranks(ddp_shift: float, fsdp2_shift: float) -> dict[str, dict]:
-    """``verdicts.judge`` on 4 ranks, where no engine does DDP's arithmetic, for DDP and FSDP2
+    """DDP's and FSDP2 ZeRO-2's rows judged (``judge_row``) on 4 ranks, where no engine does
+    DDP's arithmetic, for DDP and FSDP2
     ZeRO-2 runs made from the single process's own parameters, ``head.weight`` shifted by the
     given amounts (hooks and buckets as they should be)."""
 
@@ -460,10 +462,12 @@ def _judged_on_four_ranks(ddp_shift: float, fsdp2_shift: float) -> dict[str, dic
     synced = {"synced": True, "buckets": [(0, names)], "hook_calls": dict.fromkeys(names, 1),
               "not_reduced": [], "shard_grads": names, "unsharded_grads": [],
               "peak_shard_grad_bytes": 1}
-    got = {"ddp": [{"snapshots": shifted(ddp_shift), "after_backward": [synced]}],
-           "fsdp2_zero2": [{"snapshots": shifted(fsdp2_shift), "after_backward": [synced],
-                            "units": 2, "unit_bytes": [1, 1, 1]}]}
-    return verdicts.judge(workload, got, measured, 4, bounds.data_parallel_bound(workload))
+    got = {"engines/ddp": [{"snapshots": shifted(ddp_shift), "after_backward": [synced]}],
+           "engines/fsdp2_zero2": [{"snapshots": shifted(fsdp2_shift), "after_backward": [synced],
+                                    "units": 2, "unit_bytes": [1, 1, 1]}]}
+    runs = Runs(workload, got, measured, bounds.data_parallel_bound(workload), 4)
+    return {name.removeprefix("engines/"): judge_row(registry.ROWS[name], runs)
+            for name in got}
 
 
 def test_on_four_ranks_ddp_far_from_one_process_holds_only_where_fsdp2_drifts_too():

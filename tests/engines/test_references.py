@@ -11,6 +11,7 @@ while ZeRO-2 and DDP agree to the bit.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -20,7 +21,8 @@ from torch import nn
 
 from hookbench import Workload
 from hookbench.engines import references
-from hookbench.gate import workload_checks
+from hookbench.gate import rows, workload_checks
+from hookbench.gate.judge import Runs, judge_row
 from hookbench.measure.faults import inject
 from hookbench.measure.parity import Tolerance
 from hookbench.models.vision import ResNet
@@ -104,35 +106,61 @@ def _snapshots(*values: float) -> list[dict[str, torch.Tensor]]:
 T = Tolerance(rtol=1e-5, atol=1e-6)
 
 
+def _judge(workload: Workload, run: list, ddp: list, single: list, world: int = 2) -> dict:
+    """ZeRO-2's row as its entry declares it (``rows.ZERO2_ROW``: DDP, then the single process
+    with DDP's noise floor as the fallback), judged on made-up runs: every rank equal, every
+    hook once, nothing left."""
+    ranks = [{"snapshots": run, "after_backward": [], "error": None}] * world
+    runs = Runs(workload, {"zero2": ranks, "DDP on the same shares": [{"snapshots": ddp}] * world},
+                references.Measured(single, None, ""), T, world)
+    return judge_row(rows.ZERO2_ROW, runs)
+
+
 def test_judge_requires_ddp_bit_for_bit_and_the_derived_tolerance_where_ddp_holds_it():
-    ok = references.judge(BATCHNORM, _snapshots(1.0, 2.0), _snapshots(1.0, 2.0),
-                          _snapshots(1.0, 2.0), None, "", T)
+    ok = _judge(BATCHNORM, _snapshots(1.0, 2.0), _snapshots(1.0, 2.0), _snapshots(1.0, 2.0))
     assert ok["problems"] == [] and ok["noise_floor"] == [0.0, 0.0]
     # one ulp from DDP is a mismatch: the arithmetic is the same
-    ulp = references.judge(BATCHNORM, _snapshots(1.0, 2.0 + 2**-22), _snapshots(1.0, 2.0),
-                           _snapshots(1.0, 2.0), None, "", T)
+    ulp = _judge(BATCHNORM, _snapshots(1.0, 2.0 + 2**-22), _snapshots(1.0, 2.0),
+                 _snapshots(1.0, 2.0))
     assert ulp["problems"] == ["vs DDP on the same shares: MISMATCH (bit-exact expected) max "
                                "|diff| 2.38e-07 at step 1, w"]
 
 
 def test_judge_uses_the_measured_floor_only_where_ddp_exceeds_the_tolerance():
     # DDP 0.01 from the single process: ZeRO-2 may be up to 2x that, not more
-    within = references.judge(BATCHNORM, _snapshots(1.0, 2.02), _snapshots(1.0, 2.02),
-                              _snapshots(1.0, 2.0), None, "", T)
+    within = _judge(BATCHNORM, _snapshots(1.0, 2.02), _snapshots(1.0, 2.02),
+                    _snapshots(1.0, 2.0))
     assert within["problems"] == [] and "2x the measured noise floor" in within["parity"]
-    beyond = references.judge(BATCHNORM, _snapshots(1.0, 2.05), _snapshots(1.0, 2.02),
-                              _snapshots(1.0, 2.0), None, "", T)
+    beyond = _judge(BATCHNORM, _snapshots(1.0, 2.05), _snapshots(1.0, 2.02),
+                    _snapshots(1.0, 2.0))
     assert len(beyond["problems"]) == 2  # not DDP's bits, and beyond twice its drift
     # where DDP holds the tolerance, the tolerance stays: no floor loosens it
-    tight = references.judge(BATCHNORM, _snapshots(1.0, 2.0 + 4e-5), _snapshots(1.0, 2.0),
-                             _snapshots(1.0, 2.0), None, "", T)
+    tight = _judge(BATCHNORM, _snapshots(1.0, 2.0 + 4e-5), _snapshots(1.0, 2.0),
+                   _snapshots(1.0, 2.0))
     assert any("FAIL" in p and "vs one process" in p for p in tight["problems"])
+
+
+def test_the_judge_holds_the_references_in_the_entrys_order(monkeypatch):
+    # The entry's order is the order of the words and of the checks: the single process
+    # declared first is judged and said first
+    entry = rows.ZERO2_ROW
+    monkeypatch.setattr(rows, "ZERO2_ROW", dataclasses.replace(
+        entry, references=entry.references[::-1]))
+    row = _judge(BATCHNORM, _snapshots(1.0, 2.0), _snapshots(1.0, 2.0), _snapshots(1.0, 2.0))
+    assert row["parity"].startswith("vs one process on the ranks' shares: "), row["parity"]
+    # and a reference left out of the entry is not compared with: a ZeRO-2 one ulp from DDP
+    # holds against the single process alone
+    monkeypatch.setattr(rows, "ZERO2_ROW", dataclasses.replace(
+        entry, references=entry.references[1:]))
+    row = _judge(BATCHNORM, _snapshots(1.0, 2.0 + 2**-22), _snapshots(1.0, 2.0),
+                 _snapshots(1.0, 2.0))
+    assert row["problems"] == [] and "vs DDP" not in row["parity"], row
 
 
 def test_clipping_is_compared_with_ddp_within_tolerance_and_says_why():
     clipped = BATCHNORM.replace(clip_grad_norm=1.0)
-    row = references.judge(clipped, _snapshots(1.0, 2.0 + 2**-22), _snapshots(1.0, 2.0),
-                           _snapshots(1.0, 2.0), None, "", T)
+    row = _judge(clipped, _snapshots(1.0, 2.0 + 2**-22), _snapshots(1.0, 2.0),
+                 _snapshots(1.0, 2.0))
     assert row["problems"] == []
     assert "the clipping norm is summed shard by shard: within tolerance" in row["parity"]
 
@@ -142,10 +170,10 @@ def test_only_reordered_sums_are_held_to_ddp_within_the_noise_floor():
     # 2x the floor. Clipping on 2 ranks is the same sums: the tolerance alone, so it fails;
     # on 4 ranks the sums come in another order: the floor's bounds, so it holds
     clipped = BATCHNORM.replace(clip_grad_norm=1.0)
-    args = (_snapshots(1.0, 2.023), _snapshots(1.0, 2.02), _snapshots(1.0, 2.0), None, "", T)
-    two = references.judge(clipped, *args, world=2)
+    args = (_snapshots(1.0, 2.023), _snapshots(1.0, 2.02), _snapshots(1.0, 2.0))
+    two = _judge(clipped, *args, world=2)
     assert any(p.startswith("vs DDP on the same shares: FAIL") for p in two["problems"]), two
-    four = references.judge(clipped, *args, world=4)
+    four = _judge(clipped, *args, world=4)
     assert not any(p.startswith("vs DDP") for p in four["problems"]), four
     assert "within tolerance and 2x the noise floor" in four["parity"]
 

@@ -93,25 +93,24 @@ def test_the_judge_reads_a_rows_kind_from_the_registry():
 
 def test_the_references_are_measured_once_before_any_row_is_judged(monkeypatch):
     # One launch for ZeRO-2 and the engines; then each reference once (the single process for
-    # ZeRO-2's shares, and with the engines' accumulation), then the judges.
+    # ZeRO-2's shares, and with the engines' accumulation), then the judge, row by row.
     events = []
-    measure, judge, zero2_judge = references.measure, verdicts.judge, references.judge
+    measure, judge_row = references.measure, workload_checks.judge_row
 
     def measured(*args, **kwargs):
         events.append(("measure", args[4] if len(args) > 4 else kwargs.get("accumulation", 1)))
         return measure(*args, **kwargs)
 
-    def judged(name, fn):
-        def wrapper(*args, **kwargs):
-            events.append(("judge", name))
-            return fn(*args, **kwargs)
-        return wrapper
+    def judged(entry, runs):
+        events.append(("judge", entry.name))
+        return judge_row(entry, runs)
 
     monkeypatch.setattr(references, "measure", measured)
-    monkeypatch.setattr(verdicts, "judge", judged("engines", judge))
-    monkeypatch.setattr(references, "judge", judged("zero2", zero2_judge))
+    monkeypatch.setattr(workload_checks, "judge_row", judged)
     got = workload_checks.zero2([WORKLOAD])
     assert not [(k, r) for k, r in got.items() if r.get("problems") or "error" in r], got
     kinds = [kind for kind, _ in events]
     assert sorted(e for e in events if e[0] == "measure") == [("measure", 1), ("measure", 2)]
+    assert sorted(name for kind, name in events if kind == "judge") == sorted(
+        ["zero2", *(f"engines/{e}" for e in verdicts.ENGINES)])
     assert kinds.index("judge") > max(i for i, k in enumerate(kinds) if k == "measure"), events
