@@ -36,8 +36,16 @@ def run(args: argparse.Namespace) -> int:
                 for new in Path(staging).glob("*.pt"):
                     (folder / new.name).write_bytes(new.read_bytes())
             path = baselines.save(data, target)
+            # the workloads' random draws beside it (none recorded: an older file goes)
+            drawn, kept = Path(staging) / gate.DRAWS, baselines.draws_file(target)
+            if drawn.is_file():
+                kept.write_bytes(drawn.read_bytes())
+            elif kept.is_file():
+                kept.unlink()
     known = known_failures.listed(data.get(known_failures.KEY, {}))
-    print(f"wrote {path}: torch {data['recorded_with']['torch']} on "
+    drawn = baselines.draws_file(target)
+    print(f"wrote {path}" + (f" and {drawn} ({drawn.stat().st_size:,} B)" if drawn.is_file()
+                             else "") + f": torch {data['recorded_with']['torch']} on "
           f"{data['recorded_with']['cpu_capability']}; " + ", ".join(
               f"{section} {len(data[section])}" for section in gate.SECTIONS if section in data)
           + (f"; {len(known)} known failures on this torch, recorded with their words (the "

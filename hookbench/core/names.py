@@ -17,10 +17,15 @@ FAULTS = ("fires_twice", "stops_after_first_backward", "never_fires",
           "reduce_scatter_wrong_slice", "ddp_bucket_reduced_twice", "ddp_drops_settings",
           "ddp_ignores_comm_hook", "deepspeed_drops_settings", "fsdp2_drops_settings",
           "implementation_flag_ignored", "capturable_ignored", "kernel_ignores_maximize",
-          "fused_sgd_skips_low_precision", "checkpoint_forgets_rng_state")
+          "fused_sgd_skips_low_precision", "checkpoint_forgets_rng_state",
+          "dropout_drops_half", "dropout_ignores_seed")
 # Faults of the DeepSpeed row, which the gate leaves out (deepspeed is an optional install):
 # ``selfcheck`` does not run them, and the peers tier shows that they are caught.
 PEER_FAULTS = ("deepspeed_drops_settings",)
+# Faults of random draws, caught where a workload's draws are replayed (its ``draws`` row):
+# ``selfcheck`` gates the zoo, which has none, so it does not run them; the default tier
+# (tests/core/test_draws.py) and examples/charlm/check.sh show them caught.
+DRAW_FAULTS = ("dropout_drops_half", "dropout_ignores_seed")
 REPORT_SECTIONS = ("contract", "optimizer", "capture", "memory", "zero2")
 GATE_SECTIONS = ("hooks", "parity", "numerics", "zero2", "engines", "collectives", "checkpoints",
                  "compile", "warnings", "memory", "offload", "workloads", "time")

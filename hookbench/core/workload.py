@@ -124,7 +124,7 @@ try:  # not a dependency of torch's: where it is absent, no model can draw from 
 except ImportError:  # pragma: no cover
     np = None
 
-from hookbench.core import fsdp
+from hookbench.core import draws, fsdp
 from hookbench.core.prerequisites import one_line
 from hookbench.mechanisms.activation_offload import ActivationOffload
 
@@ -240,7 +240,7 @@ class Workload:
     def build(self) -> nn.Module:
         """A new model, the same on every call: built from ``seed`` with the global RNG left
         as it was, with activation checkpointing and compilation applied."""
-        with seeded_rngs(self.seed):
+        with seeded_rngs(self.seed), draws.pinned(self.name):
             model = self.model()
         if not isinstance(model, nn.Module):
             raise TypeError(f"Workload {self.name!r}: model() must return an nn.Module, got "
@@ -254,8 +254,9 @@ class Workload:
             for block in blocks:
                 # An instance attribute: Module.__call__ (and its hooks) run as before, only
                 # the block's own forward is recomputed in backward.
+                # Its recomputation in backward draws under the same pinning as its forward.
                 block.forward = functools.partial(torch.utils.checkpoint.checkpoint,
-                                                  block.forward,
+                                                  draws.within(self.name, block.forward),
                                                   use_reentrant=self.use_reentrant)
         if self.pure is not None:
             model.to(self.pure)  # parameters and buffers: the optimizer state follows them
@@ -271,7 +272,8 @@ class Workload:
     def data(self, index: int) -> tuple[Any, torch.Tensor]:
         """The ``index``-th (inputs, target), the same on every call."""
         g = torch.Generator().manual_seed(self.seed * 100_003 + index)
-        with seeded_rngs(self.seed * 100_003 + index):  # a batch function that draws globally
+        # a batch function that draws globally, or from the generator it is given
+        with seeded_rngs(self.seed * 100_003 + index), draws.pinned(self.name):
             got = self.batch(g)
         if not (isinstance(got, tuple) and len(got) == 2):
             raise TypeError(f"Workload {self.name!r}: batch(generator) must return "
@@ -375,7 +377,8 @@ class Workload:
         ``device``'s if CUDA, numpy's and Python's) seeded from (seed, index, share), restored
         on exit: what the forward of batch ``index``'s ``share`` draws from."""
         digest = hashlib.sha256(f"{self.seed}/{index}/{share}".encode()).digest()
-        with seeded_rngs(int.from_bytes(digest[:8], "little") >> 1, device):
+        with (seeded_rngs(int.from_bytes(digest[:8], "little") >> 1, device),
+              draws.pinned(self.name, compiled=self.compile is not None)):
             yield
 
     @property

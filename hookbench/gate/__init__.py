@@ -49,20 +49,23 @@ WORKLOAD_SECTIONS = names.GATE_WORKLOAD_SECTIONS  # the hook contract and the wo
 MODELS = names.GATE_MODELS  # the gate's default
 RECORD_MODELS = names.GATE_RECORD_MODELS  # recorded, so that --models vit_l_16 can be gated
 CRASHED = known_failures.CRASHED  # the key of a section whose measurement as a whole raised
+DRAWS = "draws.pt"  # what ``record`` writes the workloads' draws to, in its checkpoint_dir
 
 
 def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = MODELS,
                 fault: str | None = None, device: str = "fake",
                 zero2_ranks: list | BaseException | None = None,
                 checkpoint_dir: str | Path | None = None, workloads: list[Workload] = (),
-                recording: bool = False) -> dict[str, Any]:
+                recording: bool = False, draws: str | Path | None = None) -> dict[str, Any]:
     """Everything the baseline holds, measured on the installed torch (under ``fault``).
     ``zero2_ranks``: the ranks' results if already run (``selfcheck`` runs all at once).
     ``checkpoint_dir``: where the baseline's checkpoint files are (default: checkpoints/
-    beside ``baselines.DEFAULT``)."""
+    beside ``baselines.DEFAULT``). ``draws``: the file of the workloads' random draws,
+    written when recording, replayed where it exists (``Run.draws``)."""
     run = Run(fault=fault, models=models, device=device, zero2_ranks=zero2_ranks,
               checkpoint_dir=Path(checkpoint_dir or baselines.checkpoint_folder()),
-              workloads=tuple(workloads), recording=recording)
+              workloads=tuple(workloads), recording=recording,
+              draws=Path(draws) if draws else None)
     out: dict[str, Any] = {"recorded_with": baselines.environment()}
     with inject(fault):
         for name, section in REGISTRY.items():
@@ -91,7 +94,7 @@ def record(models: tuple[str, ...] = RECORD_MODELS, sections: tuple[str, ...] = 
     on this torch is kept as it is and listed, with its words, as a known failure
     (``known_failures``): the gate holds a later torch to the same failure."""
     data = measure_all(sections, models, checkpoint_dir=checkpoint_dir, workloads=workloads,
-                       recording=True)
+                       recording=True, draws=checkpoint_dir and Path(checkpoint_dir) / DRAWS)
     known = known_failures.of(data)
     return {**data, known_failures.KEY: known} if known else data
 
@@ -161,10 +164,12 @@ def gate(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
          models: tuple[str, ...] = MODELS, fault: str | None = None, device: str = "fake",
          zero2_ranks: list | None = None, time_slack: float = step_time.SLACK,
          checkpoint_dir: str | Path | None = None, strict_warnings: bool = False,
-         workloads: list[Workload] = ()) -> tuple[dict[str, Section], dict[str, Any]]:
+         workloads: list[Workload] = (), draws: str | Path | None = None
+         ) -> tuple[dict[str, Section], dict[str, Any]]:
     """Measure on the installed torch and judge against ``base``: the verdict by section, and
-    what was measured (``measure_all``)."""
-    now = measure_all(sections, models, fault, device, zero2_ranks, checkpoint_dir, workloads)
+    what was measured (``measure_all``; the workloads on the recorded ``draws``)."""
+    now = measure_all(sections, models, fault, device, zero2_ranks, checkpoint_dir, workloads,
+                      draws=draws)
     now["device"] = device
     with inject(fault):
         if isinstance(now.get("time"), dict) and CRASHED not in now["time"]:
@@ -176,7 +181,7 @@ def gate(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
 def selfcheck(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
               models: tuple[str, ...] = ("transformer",),
               progress: Callable[[str], None] = lambda message: None,
-              checkpoint_dir: str | Path | None = None
+              checkpoint_dir: str | Path | None = None, draws: str | Path | None = None
               ) -> dict[str | None, dict[str, list[str]]]:
     """The gate, clean and under every fault, with --strict-warnings (a new warning is a
     fault to catch): for each, the failed rows by section. A section no fault targets
@@ -184,7 +189,7 @@ def selfcheck(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
     sections = tuple(s for s in sections if REGISTRY[s].FAULTS != ())
     # Only the faults some chosen section targets: a fault no chosen section is meant to
     # catch would otherwise run the gate on nothing and read as missed.
-    runs = [None, *(f for f in FAULTS if f not in names.PEER_FAULTS and any(
+    runs = [None, *(f for f in FAULTS if f not in (*names.PEER_FAULTS, *names.DRAW_FAULTS) and any(
         REGISTRY[s].FAULTS is None or f in REGISTRY[s].FAULTS for s in sections))]
     progress("starting 2 gloo ranks for every fault's ZeRO-2 run ...")
     ranks = zero2.run_ranks(runs) if "zero2" in sections else dict.fromkeys(runs)
@@ -194,7 +199,7 @@ def selfcheck(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
         here = tuple(s for s in sections
                      if fault is None or REGISTRY[s].FAULTS is None or fault in REGISTRY[s].FAULTS)
         result, _ = gate(base, here, models, fault, zero2_ranks=ranks[fault],
-                         checkpoint_dir=checkpoint_dir, strict_warnings=True)
+                         checkpoint_dir=checkpoint_dir, strict_warnings=True, draws=draws)
         caught[fault] = {name: list(dict.fromkeys(cells[0] for cells, ok in s.rows if not ok))
                          for name, s in result.items() if not s.ok}
     return caught

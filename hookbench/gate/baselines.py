@@ -59,6 +59,12 @@ def checkpoint_folder(baseline: str | Path = DEFAULT) -> Path:
     return Path(baseline).parent / "checkpoints"
 
 
+def draws_file(baseline: str | Path = DEFAULT) -> Path:
+    """Where the random draws of a baseline's workloads are: ``<name>.draws.pt`` beside its
+    json (``hookbench.core.draws``)."""
+    return Path(baseline).with_suffix(".draws.pt")
+
+
 def environment() -> dict[str, str]:
     """What a checksum depends on, and what a reader of the baseline wants to know. The CPU's
     model, not only its capability: two AVX512 Xeons were seen to round the same fp32 training

@@ -97,8 +97,10 @@ class Run:
     ``fault``: the fault injected (``hookbench.measure.faults``), for sections that run ranks and
     inject it there; ``zero2_ranks``: the ZeRO-2 ranks' results when already run (``selfcheck``
     runs every fault's at once); ``recording``: ``hookbench record`` is measuring, so sections
-    that write files for the gate (the checkpoints) write them first; ``machine_note``: says
-    that the baseline was recorded on another CPU, empty when not."""
+    that write files for the gate (the checkpoints) write them first; ``draws``: the file of
+    the baseline's random draws (``hookbench.core.draws``), recorded into it when recording,
+    replayed from it where it exists; ``machine_note``: says that the baseline was recorded on
+    another CPU, empty when not."""
 
     fault: str | None = None
     models: tuple[str, ...] = names.GATE_MODELS
@@ -107,6 +109,7 @@ class Run:
     checkpoint_dir: Path | None = None
     workloads: tuple[Workload, ...] = ()
     recording: bool = False
+    draws: Path | None = None
     machine_note: str = ""
     time_slack: float = names.GATE_TIME_SLACK
     strict_warnings: bool = False

@@ -8,7 +8,7 @@ refuses: adding a row, or changing a reference or a bound, is an edit of one ent
                 where the bound fails, its noise-floor fallback (``floor_of``,
                 ``confirmed_by``), and whether the baseline keeps the floor (``yardstick``)
     Row         one entry: ``name`` (``<workload>/<name>`` in the baseline), ``kind`` (which
-                judge reads it: trajectory, ranks, capture, transform, memory), ``runs``,
+                judge reads it: trajectory, ranks, capture, transform, memory, draws), ``runs``,
                 ``references`` (in the order they are judged; a reference whose ``when``
                 does not hold for the workload is not one of its references), ``bound`` (a
                 rule of ``hookbench.measure.bounds``, by name), ``checks`` (in words; a ranks
@@ -37,8 +37,8 @@ from hookbench.engines.loop import ACCUMULATION
 from hookbench.measure.parity import accepts
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
-__all__ = ["BATCHES", "ENGINE_ROWS", "MEMORY_STRATEGIES", "PEER_ROWS", "ROWS", "STEPS",
-           "STRATEGIES", "STRATEGY_ROWS", "ZERO2_RANKS", "Reference", "Row",
+__all__ = ["BATCHES", "DRAWS_ROW", "ENGINE_ROWS", "MEMORY_STRATEGIES", "PEER_ROWS", "ROWS",
+           "STEPS", "STRATEGIES", "STRATEGY_ROWS", "ZERO2_RANKS", "Reference", "Row",
            "engines_not_applicable", "not_applicable", "refusal", "row"]
 
 STEPS = 3
@@ -321,6 +321,13 @@ TRANSFORM_ROW = Row(
                "recomputation replays the random numbers it drew; offload hands back what it "
                "kept"),))
 
+DRAWS_ROW = Row(
+    "draws", "draws", "every random op of the workload's builds, batches and forwards, "
+    "recorded with the baseline (<baseline>.draws.pt) and replayed on the gate, in this "
+    "process and on the ranks",
+    checks=("the draws made now have the recorded draws' distribution",
+            "they depend on the generator's state as the recorded ones do"))
+
 MEMORY_ROWS = (
     Row("memory/foreach", "memory", "one standard step's peak on the fake backend (foreach, "
         "as on CUDA by default), real CPU tensors where fake ones cannot run the model",
@@ -351,7 +358,7 @@ MEMORY_ROWS = (
 )
 
 ROWS = {r.name: r for r in (*STRATEGY_ROWS, ZERO2_ROW, *ENGINE_ROWS, *PEER_ROWS, CAPTURE_ROW,
-                            TRANSFORM_ROW, *MEMORY_ROWS)}
+                            TRANSFORM_ROW, *MEMORY_ROWS, DRAWS_ROW)}
 STRATEGIES = tuple(r.name for r in STRATEGY_ROWS if r.only_if is _always)
 MEMORY_STRATEGIES = ("foreach", "in_backward", "zero2")
 assert [r.name.removeprefix("engines/") for r in ENGINE_ROWS] == list(verdicts.ENGINES)

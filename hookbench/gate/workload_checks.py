@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-from hookbench.core import launch
+from hookbench.core import draws, launch
 from hookbench.core.prerequisites import attempt, one_line, warnings_kept
 from hookbench.core.workload import Workload, describe
 from hookbench.gate.baselines import fingerprint
@@ -644,14 +645,36 @@ def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str
     for w in workloads:
         out.update(capture(w))
         out.update(transform(w))
-        out.update(memory(w))
-        out.update(engine_memory(w))
+        with draws.suspended():  # the session's own copies of the draws are not the step's
+            out.update(memory(w))
+            out.update(engine_memory(w))
     return out
 
 
 def measure(run: Run) -> dict[str, Any] | None:
-    """None without workloads: the section is not measured (the gate's default sections)."""
-    return measure_all(list(run.workloads), run.fault) if run.workloads else None
+    """None without workloads: the section is not measured (the gate's default sections).
+    Where the baseline has a draws file (``run.draws``), every random draw of the workloads'
+    builds, batches and forwards is recorded into it (recording) or replayed from it, in this
+    process and on the spawned ranks (``hookbench.core.draws``), with a ``name/draws`` row per
+    workload saying what the draws showed."""
+    if not run.workloads:
+        return None
+    workloads = list(run.workloads)
+    if run.draws is None or not (run.recording or run.draws.is_file()):
+        return measure_all(workloads, run.fault)  # a baseline without draws: as recorded
+    if run.recording:
+        with draws.recording() as session:
+            rows = measure_all(workloads, run.fault)
+        draws.save(session.draws, run.draws)
+    else:
+        recorded = draws.load(run.draws)
+        os.environ[draws.ENV] = str(run.draws)  # the ranks replay the same file
+        try:
+            with draws.replaying(recorded) as session:
+                rows = measure_all(workloads, run.fault)
+        finally:
+            del os.environ[draws.ENV]
+    return {**rows, **{f"{w.name}/draws": session.report(w.name) for w in workloads}}
 
 
 def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
@@ -685,6 +708,8 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
                         + (f"; {value['against']}" if "against" in value else ""))
         elif kind == "transform":  # live: the transformed step against the plain one
             section.add(True, key, value["transform"])
+        elif kind == "draws":
+            section.add(True, key, _drawn(value))
         elif kind == "capture":  # a module call more or less is a changed model
             ok = rec is not None and rec.get("records") == value["records"]
             section.add(ok, key, f"{value['records']} of {value['calls']} module calls "
@@ -698,10 +723,35 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
             section.add(ok and drift is None, key,
                         "; ".join(filter(None, (verdict, drift, value.get("parity")))))
     say_warnings(section, now)
+    # a release that draws other random numbers: every row of the workload compared on the
+    # recorded draws, and says so
+    replayed = {key.split("/")[0] for key, value in now.items()
+                if key.endswith("/draws") and value.get("differ")}
+    for i, (cells, verdict) in enumerate(section.rows):
+        name, _, row_name = cells[0].partition("/")
+        if name in replayed and row_name in rows.ROWS and rows.ROWS[row_name].kind in (
+                "trajectory", "ranks", "capture", "transform"):
+            section.rows[i] = ((*cells[:-1], f"{cells[-1]}; random draws differ from the "
+                                             f"baseline's: replayed"), verdict)
     names = {key.split("/")[0] for key in now}
     for key in sorted(k for k in set(base) - set(now) if k.split("/")[0] in names):
         section.add(False, key, "recorded, but not measured now (re-record on purpose)")
     return section
+
+
+def _drawn(value: dict[str, Any]) -> str:
+    """A workload's draws row in words (``hookbench.core.draws.Session.report``)."""
+    differ = value.get("differ", 0)
+    words = [f"{value['draws']} random draws " + (
+        f"replayed: {differ} differ from the baseline's (this torch draws other numbers; "
+        f"every row compared on the recorded ones), held to the recorded distribution"
+        if differ else "as recorded")]
+    for field, what in (("not_recorded", "not in the baseline, drawn anew"),
+                        ("not_replayable", "not replayable (compared as drawn)")):
+        if value.get(field):
+            words.append(f"{what}: " + ", ".join(f"{op} x{n}" for op, n in
+                                                 sorted(value[field].items())))
+    return "; ".join(words)
 
 
 def live_verdict(key: str, value: dict[str, Any]) -> tuple[bool, str]:

@@ -30,7 +30,10 @@ runs the for-loop;
 ``kernel_ignores_maximize`` makes the foreach and fused kernels descend whatever ``maximize``
 says; ``fused_sgd_skips_low_precision`` leaves bf16 and fp16 parameters unchanged by fused SGD
 (pytorch#191763, torch 2.12 and 2.13 on CPU); ``checkpoint_forgets_rng_state`` recomputes
-a checkpointed block on other random numbers than its forward drew.
+a checkpointed block on other random numbers than its forward drew; ``dropout_drops_half``
+draws every dropout mask keeping half the inputs whatever the probability, and
+``dropout_ignores_seed`` draws each from one fixed state whatever the seed (caught where
+pinned draws are replayed: a workload's ``draws`` row).
 A fault reaches a run on the ranks by one rule, ``run_under``. The fault tests,
 ``pytest --hookbench-fault NAME``
 and ``hookbench selfcheck`` run the checks under each fault and require that they fail.
@@ -46,6 +49,7 @@ import warnings
 from typing import Any, Callable, Iterator
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hookbench.core import fsdp, names
 from hookbench.core.prerequisites import one_line
@@ -341,6 +345,32 @@ def _fake_tensor_mode() -> list[tuple[object, str]]:
 
 def _memory_tracker() -> list[tuple[object, str]]:
     return [(StorageTracker, "track")]
+
+
+class _DropoutMasks(TorchDispatchMode):
+    """Every dropout mask (``aten::bernoulli_`` with a float probability, as dropout draws on
+    the CPU) drawn by ``draw(func, args, kwargs)`` instead: a broken random op, which pinning
+    the draws must not hide (``hookbench.core.draws``)."""
+
+    def __init__(self, draw: Callable[..., Any]):
+        super().__init__()
+        self.draw = draw
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.bernoulli_.float:
+            return self.draw(func, args, kwargs or {})
+        return func(*args, **(kwargs or {}))
+
+
+def _drops_half() -> contextlib.AbstractContextManager:
+    # whatever the probability asked: half the inputs kept (dropout at p=0.1 drops half)
+    return _DropoutMasks(lambda func, args, kwargs: func(args[0], 0.5, **kwargs))
+
+
+def _ignores_seed() -> contextlib.AbstractContextManager:
+    # every mask drawn from one fixed state, whatever the generator was seeded with
+    return _DropoutMasks(lambda func, args, kwargs: func(
+        *args, **{**kwargs, "generator": torch.Generator().manual_seed(0)}))
 
 
 @contextlib.contextmanager
@@ -654,6 +684,8 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
                                       _skips_low_precision),
     "checkpoint_forgets_rng_state": (lambda: [(importlib.import_module("torch.utils.checkpoint"),
                                                "checkpoint")], _forgets_rng_state),
+    "dropout_drops_half": _drops_half,
+    "dropout_ignores_seed": _ignores_seed,
 }
 assert tuple(FAULTS) == names.FAULTS, "hookbench.core.names.FAULTS lists the faults"
 HOOK_FAULTS = [name for name, fault in FAULTS.items()

@@ -265,7 +265,7 @@ def test_selfcheck_runs_only_the_faults_the_chosen_sections_target(monkeypatch):
     # the DeepSpeed row's faults: the gate has no DeepSpeed row (the peers tier catches them)
     monkeypatch.setattr(extra, "FAULTS", None)
     caught = gate.selfcheck(base, ("extra",))
-    run = [f for f in FAULTS if f not in names.PEER_FAULTS]
+    run = [f for f in FAULTS if f not in (*names.PEER_FAULTS, *names.DRAW_FAULTS)]
     assert list(caught) == [None, *run] and all(caught[f] for f in run)
 
 
@@ -523,6 +523,9 @@ CAUGHT_BY = {
     "kernel_ignores_maximize": {"parity"},
     "fused_sgd_skips_low_precision": {"parity"},
     "checkpoint_forgets_rng_state": {"offload"},
+    # a workload's draws row (DRAW_FAULTS): the zoo's gate replays no draws
+    "dropout_drops_half": set(),
+    "dropout_ignores_seed": set(),
 }
 
 
@@ -556,12 +559,13 @@ def test_selfcheck_catches_every_fault_and_passes_clean(tmp_path):
     caught = json.loads(out.read_text())
     clean = {section: set(rows) for section, rows in caught.pop("None").items()}
     assert clean == ({"collectives": wrong} if wrong else {})
+    elsewhere = (*names.PEER_FAULTS, *names.DRAW_FAULTS)  # the peers tier, the draws tests
     for fault, sections in CAUGHT_BY.items():
-        assert fault in names.PEER_FAULTS or sections <= set(caught[fault]), (fault, caught)
-    assert not set(caught) & set(names.PEER_FAULTS)  # the peers tier shows those caught
+        assert fault in elsewhere or sections <= set(caught[fault]), (fault, caught)
+    assert not set(caught) & set(elsewhere)
     assert "parity" not in caught["optimizer_arithmetic_changed"]
-    run = len(FAULTS) - len(names.PEER_FAULTS)
-    assert f"{run} of {run} faults caught ({len(names.PEER_FAULTS)} more target none of these " \
+    run = len(FAULTS) - len(elsewhere)
+    assert f"{run} of {run} faults caught ({len(elsewhere)} more target none of these " \
            f"sections); " + (
         "the CLEAN RUN FAILS" if wrong else "the clean run passes") in proc.stdout
 

@@ -21,7 +21,8 @@ WORKLOAD = TinySpec(depth=2, width=8).workload().replace(
 def test_every_bound_is_a_rule_of_the_bounds_module_and_every_reference_a_run():
     for row in rows.ROWS.values():
         assert row.bound is None or row.bound in bounds.__all__, row.name
-        assert row.kind in ("trajectory", "ranks", "capture", "transform", "memory"), row.name
+        assert row.kind in ("trajectory", "ranks", "capture", "transform", "memory",
+                            "draws"), row.name
         assert all(ref.why for ref in row.references), row.name  # why (not) bit for bit
     strategies = {r.name for r in rows.STRATEGY_ROWS}
     for row in rows.STRATEGY_ROWS:  # a strategy is held to another strategy's run

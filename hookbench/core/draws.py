@@ -1,0 +1,246 @@
+"""Random draws pinned across torch releases: every random op a workload's build, batch and
+forward make is recorded with the baseline and replayed on the gate, so that what the gate
+compares does not depend on how a release draws its random numbers (torch 2.9.1 draws other
+dropout masks than 2.6.0 for the same seed), while a broken random op still fails.
+
+A draw is keyed by where it happens in its generator's stream: the state of the generator it
+draws from (torch's default generator of its device, or the one passed to it), the op, the
+shape and dtype of what it makes, and the values of the tensors it reads (a probability, a
+sign pattern). That key is the same on every release that seeds alike (``manual_seed``: the
+Mersenne Twister's state from a seed has not changed), whatever the release then draws.
+Replaying a draw hands back the recorded values and leaves the generator in the state the
+recorded release left it in, so the draws after it keep their recorded keys; a checkpointed
+block's recomputation restores the state its forward saw, and so finds the same draws.
+
+What is not replayed is named, never silently drawn anew: an op whose values are not all
+draws (``native_dropout``, a fused attention kernel that draws inside it), a draw the baseline
+did not record (other inputs, shapes or dtypes), a compiled forward (its draws are inside the
+compiled graph). Replayed draws are still made, and held to the recorded ones
+(``Session.report``): the same distribution (a dropout dropping half its inputs at p=0.1
+fails), and as dependent on the generator's state (a mask that is the same whatever the
+seed fails), each naming the op.
+
+    recording()          a session recording every draw made inside ``pinned``
+    replaying(draws)     a session handing the recorded ``draws`` back
+    pinned(name, ...)    the context a Workload opens around its build, batch and forward
+    within(fn)           ``fn`` under the same pinning (a checkpointed block's recomputation)
+    suspended()          nothing pinned inside (a memory measurement)
+    ENV                  the variable naming a draws file a spawned rank replays
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import math
+import os
+from collections import defaultdict
+from typing import Any, Callable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["ENV", "Session", "active", "load", "pinned", "recording", "replaying", "save",
+           "suspended", "within"]
+
+ENV = "HOOKBENCH_DRAWS"
+# Ops every value of whose output is a draw (given the arguments in the key): replayed by
+# handing back the recorded values. ``rrelu_with_noise`` draws its noise and multiplies: its
+# noise is replayed and its output made again from it (input x noise, as its kernel does).
+_PURE = frozenset(f"aten::{op}" for op in (
+    "bernoulli", "bernoulli_", "uniform_", "normal_", "normal", "randn", "randn_like", "rand",
+    "rand_like", "randint", "randint_like", "randperm", "random_", "exponential_",
+    "geometric_", "cauchy_", "log_normal_", "multinomial", "poisson"))
+_NOISE = "aten::rrelu_with_noise"
+SIGMAS = 6.0  # a distribution check fails beyond 6 standard errors: ~2e-9 by chance
+
+
+def _digest(t: torch.Tensor) -> str:
+    raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]
+
+
+def _generator(func: Any, args: tuple, kwargs: dict, out: Any) -> torch.Generator:
+    if kwargs.get("generator") is not None:
+        return kwargs["generator"]
+    device = next((t.device for t in tree_leaves((out, args)) if torch.is_tensor(t)),
+                  torch.device("cpu"))
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index or 0]
+    return torch.default_generator
+
+
+class Session(TorchDispatchMode):
+    """Draws recorded (``draws`` filled) or replayed (``draws`` given), and what was seen, per
+    workload name (``report``)."""
+
+    def __init__(self, draws: dict[str, dict[str, Any]] | None = None):
+        super().__init__()
+        self.replaying = draws is not None
+        self.draws: dict[str, dict[str, Any]] = {} if draws is None else draws
+        self.name = ""  # the workload whose draws are being made
+        self.seen: dict[str, dict[str, Any]] = defaultdict(lambda: {
+            "draws": 0, "differ": 0, "not_recorded": {}, "not_replayable": {},
+            "stats": defaultdict(lambda: [0, 0.0, 0.0, 0, 0.0, 0.0]), "by_key": {}})
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return func(*args, **kwargs)
+        name = func._schema.name
+        gen = _generator(func, args, kwargs, None)
+        before = gen.get_state()
+        out = func(*args, **kwargs)  # the draw this release makes
+        if any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta
+               for t in tree_leaves((out, args, kwargs)) if isinstance(t, torch.Tensor)):
+            return out  # fake or meta tensors (a memory measurement): no values drawn
+        seen = self.seen[self.name]
+        if name not in _PURE and name != _NOISE:
+            seen["not_replayable"][name] = seen["not_replayable"].get(name, 0) + 1
+            return out
+        drawn = args[1] if name == _NOISE else out  # what is drawn
+        read = args[:1] if name == _NOISE else args[1:] if name.endswith("_") else args
+        key = "|".join([name, str(tuple(drawn.shape)), str(drawn.dtype), _digest(before),
+                        *(_digest(t) for t in tree_leaves((read, kwargs))
+                          if torch.is_tensor(t))])
+        seen["draws"] += 1
+        if not self.replaying:
+            self.draws.setdefault(key, {"value": drawn.detach().cpu().clone(),
+                                        "after": gen.get_state()})
+            return out
+        recorded = self.draws.get(key)
+        if recorded is None:
+            seen["not_recorded"][name] = seen["not_recorded"].get(name, 0) + 1
+            return out
+        value = recorded["value"].to(drawn.device)
+        seen["differ"] += not torch.equal(drawn, value)
+        self._observe(seen, name, key, drawn, value, args)
+        gen.set_state(recorded["after"])
+        with torch.no_grad():
+            drawn.copy_(value)
+        return args[0] * drawn if name == _NOISE else out
+
+    def _observe(self, seen: dict, name: str, key: str, fresh: torch.Tensor,
+                 recorded: torch.Tensor, args: tuple) -> None:
+        """Sums of the fresh and the recorded draws, per op and arguments, for ``report``;
+        and which fresh values came from which state, to tell a draw that ignores it."""
+        params = ",".join(f"{a:.6g}" for a in args[1:] if isinstance(a, (int, float)))
+        s = seen["stats"][f"{name}({params})"]
+        for i, t in ((0, fresh), (3, recorded)):
+            x = t.detach().double()
+            s[i] += x.numel()
+            s[i + 1] += float(x.sum())
+            s[i + 2] += float((x * x).sum())
+        state_free = key.split("|", 4)
+        state_free = "|".join(state_free[:3] + state_free[4:])
+        seen["by_key"].setdefault(state_free, []).append((_digest(fresh), _digest(recorded)))
+
+    def report(self, name: str) -> dict[str, Any]:
+        """What workload ``name``'s draws showed: how many were made and replayed, how many
+        differ from the recorded ones, what was not recorded or not replayable, and the
+        problems: a distribution other than the recorded one, a draw that does not depend on
+        the generator's state."""
+        seen = self.seen[name]
+        problems = []
+        for op, (n, s, ss, m, rs, rss) in sorted(seen["stats"].items()):
+            if n == 0 or m == 0:
+                continue
+            mean, rmean = s / n, rs / m
+            var, rvar = max(ss / n - mean**2, 0.0), max(rss / m - rmean**2, 0.0)
+            error = math.sqrt(var / n + rvar / m) or 1e-12 * max(1.0, abs(rmean))
+            if abs(mean - rmean) > SIGMAS * error:
+                problems.append(f"{op} draws mean {mean:.4g} over {n} values, the recorded "
+                                f"draws {rmean:.4g} ({abs(mean - rmean) / error:.3g} standard "
+                                f"errors apart): another distribution")
+            elif rvar > 0 and abs(var / rvar - 1) > SIGMAS * math.sqrt(2 / n + 2 / m):
+                problems.append(f"{op} draws variance {var:.4g}, the recorded draws "
+                                f"{rvar:.4g}: another distribution")
+        for key, pairs in sorted(seen["by_key"].items()):
+            if len({r for _, r in pairs}) > 1 and len({f for f, _ in pairs}) == 1:
+                problems.append(f"{key.split('|')[0]} draws the same values from every "
+                                f"generator state ({len(pairs)} draws of {key.split('|')[1]}), "
+                                f"where the recorded draws differ: it ignores the seed")
+        return {"draws": seen["draws"], "differ": seen["differ"],
+                "not_recorded": dict(seen["not_recorded"]),
+                "not_replayable": dict(seen["not_replayable"]), "problems": problems}
+
+
+_ACTIVE: list[Session | None] = []  # None: suspended
+
+
+def active() -> Session | None:
+    """The session of this process: the one opened, or a replay of the file ``ENV`` names (a
+    spawned rank of a gate that replays)."""
+    if not _ACTIVE and os.environ.get(ENV):
+        _ACTIVE.append(Session(load(os.environ[ENV])))
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextlib.contextmanager
+def _session(session: Session) -> Iterator[Session]:
+    _ACTIVE.append(session)
+    try:
+        yield session
+    finally:
+        _ACTIVE.remove(session)
+
+
+def recording() -> contextlib.AbstractContextManager[Session]:
+    return _session(Session())
+
+
+def replaying(draws: dict[str, dict[str, Any]]) -> contextlib.AbstractContextManager[Session]:
+    return _session(Session(draws))
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Nothing pinned inside: a memory measurement, which would count the session's own
+    copies of the draws (what a step allocates does not depend on the values drawn, but for
+    a forward that branches on them)."""
+    _ACTIVE.append(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.pop()
+
+
+@contextlib.contextmanager
+def pinned(name: str, compiled: bool = False) -> Iterator[None]:
+    """Workload ``name``'s draws made inside recorded or replayed (nothing without a session;
+    a compiled forward is named, its draws being inside its graph)."""
+    session = active()
+    if session is None or session.name:  # nested: the outer context pins already
+        yield
+        return
+    if compiled:
+        seen = session.seen[name]["not_replayable"]
+        seen["the compiled forward"] = seen.get("the compiled forward", 0) + 1
+        yield
+        return
+    session.name = name
+    try:
+        with session:
+            yield
+    finally:
+        session.name = ""
+
+
+def within(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run under ``pinned(name)``: a checkpointed block's forward, which backward runs
+    again outside the forward's context."""
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with pinned(name):
+            return fn(*args, **kwargs)
+    return run
+
+
+def save(draws: dict[str, dict[str, Any]], path: str | os.PathLike) -> None:
+    torch.save(draws, path)
+
+
+def load(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    return torch.load(path, weights_only=True)

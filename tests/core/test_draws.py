@@ -1,0 +1,159 @@
+"""Random draws pinned across releases (``hookbench.core.draws``): a workload's draws recorded and
+replayed give the recorded step bit for bit on a torch that draws other numbers; a broken
+random op is still caught, naming the op; what cannot be replayed is named."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from hookbench import Workload
+from hookbench.core import draws
+from hookbench.measure.faults import inject
+
+
+class OtherStreams(TorchDispatchMode):
+    """A release that draws other numbers from the same seed, each from the right
+    distribution: every random op first takes one number from its generator."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        real = all(type(t) in (torch.Tensor, nn.Parameter) for t in tree_leaves(args)
+                   if isinstance(t, torch.Tensor))  # not fake tensors (memory rows)
+        if torch.Tag.nondeterministic_seeded in func.tags and real:
+            torch.rand(1, generator=kwargs.get("generator"))
+        return func(*args, **kwargs)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.b(self.drop(F.relu(self.a(x))))
+
+
+def batch(g: torch.Generator):
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+WORKLOAD = Workload(name="drop", model=Net, batch=batch, loss=F.cross_entropy,
+                    optimizer=(torch.optim.SGD, {"lr": 0.1}))
+CHECKPOINTED = WORKLOAD.replace(name="drop-ckpt", checkpointing=nn.Dropout)
+
+
+def step(w: Workload) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One training step's loss and gradients, on batch 0's share 0: init, data and forward
+    all draw."""
+    model = w.build()
+    x, y = w.data(0)
+    loss = w.compute_loss(model, x, y, (0, 0))
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters()]
+
+
+def same(a, b) -> bool:
+    return torch.equal(a[0], b[0]) and all(map(torch.equal, a[1], b[1]))
+
+
+@pytest.mark.parametrize("w", [WORKLOAD, CHECKPOINTED], ids=["plain", "checkpointed"])
+def test_replayed_draws_give_the_recorded_step_on_a_torch_that_draws_other_numbers(w):
+    with draws.recording() as recorded:
+        expected = step(w)
+    assert same(step(w), expected)  # recording changes nothing
+    with OtherStreams():
+        assert not same(step(w), expected)  # unpinned: another step (the check can fail)
+        with draws.replaying(recorded.draws) as session:
+            got = step(w)
+    assert same(got, expected)
+    report = session.report(w.name)
+    # every draw (init, batch, dropout) replayed, each other than this torch drew it
+    assert report["draws"] == report["differ"] >= 5 and not report["problems"], report
+    assert report["not_recorded"] == report["not_replayable"] == {}
+
+
+def test_replay_on_the_same_torch_finds_every_draw_identical():
+    with draws.recording() as recorded:
+        step(WORKLOAD)
+    with draws.replaying(recorded.draws) as session:
+        step(WORKLOAD)
+    report = session.report("drop")
+    assert report["draws"] > 0 and report["differ"] == 0 and not report["problems"]
+
+
+def _replayed_under(fault: str) -> dict:
+    # several batches and shares: a distribution or a dependence on the seed shows over many
+    with draws.recording() as recorded:
+        for i in range(4):
+            model = WORKLOAD.build()
+            x, y = WORKLOAD.data(i)
+            for share in range(2):
+                WORKLOAD.compute_loss(model, x, y, (i, share))
+    with inject(fault), draws.replaying(recorded.draws) as session:
+        for i in range(4):
+            model = WORKLOAD.build()
+            x, y = WORKLOAD.data(i)
+            for share in range(2):
+                WORKLOAD.compute_loss(model, x, y, (i, share))
+    return session.report("drop")
+
+
+def test_pinning_does_not_hide_a_dropout_that_drops_another_fraction():
+    assert _replayed_under(None)["problems"] == []  # many shares replayed: nothing to say
+    problems = _replayed_under("dropout_drops_half")["problems"]
+    assert len(problems) == 1 and problems[0].startswith("aten::bernoulli_(0.9) draws mean 0.5")
+    assert "another distribution" in problems[0]
+
+
+def test_pinning_does_not_hide_a_mask_that_ignores_the_seed():
+    problems = _replayed_under("dropout_ignores_seed")["problems"]
+    assert any(p.startswith("aten::bernoulli_ draws the same values from every generator "
+                            "state") and p.endswith("it ignores the seed") for p in problems)
+
+
+def test_a_draw_that_cannot_be_replayed_is_named_and_drawn_as_it_comes():
+    with draws.recording() as session, draws.pinned("fused"):
+        torch.native_dropout(torch.ones(64), 0.5, True)  # the fused op: output and mask at once
+    with draws.recording() as compiled, draws.pinned("compiled", compiled=True):
+        pass
+    assert session.report("fused")["not_replayable"] == {"aten::native_dropout": 1}
+    assert compiled.report("compiled")["not_replayable"] == {"the compiled forward": 1}
+    # a draw the baseline lacks (here: other shapes) is named too
+    with draws.replaying(session.draws) as replay, draws.pinned("fused"):
+        torch.rand(3)
+    assert replay.report("fused")["not_recorded"] == {"aten::rand": 1}
+
+
+def test_draws_survive_a_file_and_nothing_is_pinned_outside_a_session(tmp_path):
+    assert draws.active() is None
+    with draws.recording() as recorded:
+        expected = step(WORKLOAD)
+    draws.save(recorded.draws, tmp_path / "d.pt")
+    with OtherStreams(), draws.replaying(draws.load(tmp_path / "d.pt")):
+        assert same(step(WORKLOAD), expected)
+    assert draws.active() is None
+
+
+# The contracts of torch's dropout the draws rows rely on, on plain torch: each fault above
+# breaks one (``--hookbench-fault``), here without any pinning.
+def test_dropout_drops_the_fraction_it_is_asked_to():
+    for p in (0.1, 0.9):
+        kept = float((F.dropout(torch.ones(200_000), p, training=True) != 0).double().mean())
+        # 6 standard errors of a binomial proportion over 200,000 draws
+        assert abs(kept - (1 - p)) < 6 * math.sqrt(p * (1 - p) / 200_000), (p, kept)
+
+
+def test_dropout_masks_depend_on_the_seed():
+    masks = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        masks.append(F.dropout(torch.ones(256), 0.5, training=True))
+    assert not torch.equal(*masks)

@@ -1,0 +1,47 @@
+"""A workload's random draws through the gate (``hookbench.gate.workload_checks.measure``, a
+baseline's ``<name>.draws.pt``): recorded with the baseline, replayed on the gate, in this
+process and on the ranks. A torch that only draws other numbers gates clean, every row saying
+so; a broken dropout fails the workload's ``draws`` row, naming the op, where every other row
+holds on the replayed draws."""
+
+from __future__ import annotations
+
+import pytest
+
+from hookbench import gate
+from tests.core.test_draws import WORKLOAD, OtherStreams
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    path = tmp_path_factory.mktemp("draws") / "baseline.draws.pt"
+    base = gate.measure_all(("workloads",), workloads=[WORKLOAD], recording=True, draws=path)
+    assert path.is_file() and base["workloads"]["drop/draws"]["draws"] > 0
+    return base, path
+
+
+def _verdicts(base: dict, now: dict) -> dict[str, tuple[bool, str]]:
+    section = gate.check(base, now, parity=False)["workloads"]
+    return {cells[0]: (ok, cells[-1]) for cells, ok in section.rows}
+
+
+def test_a_torch_that_draws_other_numbers_gates_clean_and_says_so(recorded):
+    base, path = recorded
+    with OtherStreams():  # this process's draws: the strategies' rows and the references
+        now = gate.measure_all(("workloads",), workloads=[WORKLOAD], draws=path)
+    rows = _verdicts(base, now)
+    assert all(ok for ok, _ in rows.values()), {k: v for k, (ok, v) in rows.items() if not ok}
+    assert "differ from the baseline's" in rows["drop/draws"][1]
+    assert rows["drop/forloop"][1].endswith("random draws differ from the baseline's: replayed")
+
+
+def test_a_dropout_that_drops_another_fraction_fails_its_draws_row(recorded):
+    base, path = recorded
+    now = gate.measure_all(("workloads",), workloads=[WORKLOAD], draws=path,
+                           fault="dropout_drops_half")
+    rows = _verdicts(base, now)
+    failed = {key: verdict for key, (ok, verdict) in rows.items() if not ok}
+    assert list(failed) == ["drop/draws"], failed  # the other rows hold on the replayed draws
+    assert failed["drop/draws"].startswith("aten::bernoulli_(0.9) draws mean 0.5")
