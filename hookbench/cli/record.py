@@ -36,14 +36,14 @@ def run(args: argparse.Namespace) -> int:
                 for new in Path(staging).glob("*.pt"):
                     (folder / new.name).write_bytes(new.read_bytes())
             path = baselines.save(data, target)
-            # the workloads' random draws beside it (none recorded: an older file goes)
-            drawn, kept = Path(staging) / gate.DRAWS, baselines.draws_file(target)
+            # the workloads' draws and traces beside it (none recorded: an older file goes)
+            drawn, kept = Path(staging) / gate.REPLAY, baselines.replay_file(target)
             if drawn.is_file():
                 kept.write_bytes(drawn.read_bytes())
             elif kept.is_file():
                 kept.unlink()
     known = known_failures.listed(data.get(known_failures.KEY, {}))
-    drawn = baselines.draws_file(target)
+    drawn = baselines.replay_file(target)
     print(f"wrote {path}" + (f" and {drawn} ({drawn.stat().st_size:,} B)" if drawn.is_file()
                              else "") + f": torch {data['recorded_with']['torch']} on "
           f"{data['recorded_with']['cpu_capability']}; " + ", ".join(

@@ -174,7 +174,7 @@ def active() -> Session | None:
     """The session of this process: the one opened, or a replay of the file ``ENV`` names (a
     spawned rank of a gate that replays)."""
     if not _ACTIVE and os.environ.get(ENV):
-        _ACTIVE.append(Session(load(os.environ[ENV])))
+        _ACTIVE.append(Session(load(os.environ[ENV])["draws"]))
     return _ACTIVE[-1] if _ACTIVE else None
 
 
@@ -238,9 +238,11 @@ def within(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def save(draws: dict[str, dict[str, Any]], path: str | os.PathLike) -> None:
-    torch.save(draws, path)
+def save(path: str | os.PathLike, draws: dict[str, dict[str, Any]], **beside: Any) -> None:
+    """The draws, and what else goes ``beside`` them in the same file (``draws`` to ``load``)."""
+    torch.save({"draws": draws, **beside}, path)
 
 
-def load(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+def load(path: str | os.PathLike) -> dict[str, Any]:
+    """A file ``save`` wrote: ``["draws"]``, and what was saved beside them."""
     return torch.load(path, weights_only=True)

@@ -49,23 +49,23 @@ WORKLOAD_SECTIONS = names.GATE_WORKLOAD_SECTIONS  # the hook contract and the wo
 MODELS = names.GATE_MODELS  # the gate's default
 RECORD_MODELS = names.GATE_RECORD_MODELS  # recorded, so that --models vit_l_16 can be gated
 CRASHED = known_failures.CRASHED  # the key of a section whose measurement as a whole raised
-DRAWS = "draws.pt"  # what ``record`` writes the workloads' draws to, in its checkpoint_dir
+REPLAY = "replay.pt"  # what ``record`` writes the workloads' replay file to, in its checkpoint_dir
 
 
 def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = MODELS,
                 fault: str | None = None, device: str = "fake",
                 zero2_ranks: list | BaseException | None = None,
                 checkpoint_dir: str | Path | None = None, workloads: list[Workload] = (),
-                recording: bool = False, draws: str | Path | None = None) -> dict[str, Any]:
+                recording: bool = False, replay: str | Path | None = None) -> dict[str, Any]:
     """Everything the baseline holds, measured on the installed torch (under ``fault``).
     ``zero2_ranks``: the ranks' results if already run (``selfcheck`` runs all at once).
     ``checkpoint_dir``: where the baseline's checkpoint files are (default: checkpoints/
-    beside ``baselines.DEFAULT``). ``draws``: the file of the workloads' random draws,
-    written when recording, replayed where it exists (``Run.draws``)."""
+    beside ``baselines.DEFAULT``). ``replay``: the file of the workloads' random draws and
+    traces, written when recording, replayed where it exists (``Run.replay``)."""
     run = Run(fault=fault, models=models, device=device, zero2_ranks=zero2_ranks,
               checkpoint_dir=Path(checkpoint_dir or baselines.checkpoint_folder()),
               workloads=tuple(workloads), recording=recording,
-              draws=Path(draws) if draws else None)
+              replay=Path(replay) if replay else None)
     out: dict[str, Any] = {"recorded_with": baselines.environment()}
     with inject(fault):
         for name, section in REGISTRY.items():
@@ -94,7 +94,7 @@ def record(models: tuple[str, ...] = RECORD_MODELS, sections: tuple[str, ...] = 
     on this torch is kept as it is and listed, with its words, as a known failure
     (``known_failures``): the gate holds a later torch to the same failure."""
     data = measure_all(sections, models, checkpoint_dir=checkpoint_dir, workloads=workloads,
-                       recording=True, draws=checkpoint_dir and Path(checkpoint_dir) / DRAWS)
+                       recording=True, replay=checkpoint_dir and Path(checkpoint_dir) / REPLAY)
     known = known_failures.of(data)
     return {**data, known_failures.KEY: known} if known else data
 
@@ -164,12 +164,12 @@ def gate(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
          models: tuple[str, ...] = MODELS, fault: str | None = None, device: str = "fake",
          zero2_ranks: list | None = None, time_slack: float = step_time.SLACK,
          checkpoint_dir: str | Path | None = None, strict_warnings: bool = False,
-         workloads: list[Workload] = (), draws: str | Path | None = None
+         workloads: list[Workload] = (), replay: str | Path | None = None
          ) -> tuple[dict[str, Section], dict[str, Any]]:
     """Measure on the installed torch and judge against ``base``: the verdict by section, and
-    what was measured (``measure_all``; the workloads on the recorded ``draws``)."""
+    what was measured (``measure_all``; the workloads on the recorded draws of ``replay``)."""
     now = measure_all(sections, models, fault, device, zero2_ranks, checkpoint_dir, workloads,
-                      draws=draws)
+                      replay=replay)
     now["device"] = device
     with inject(fault):
         if isinstance(now.get("time"), dict) and CRASHED not in now["time"]:
@@ -181,7 +181,7 @@ def gate(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
 def selfcheck(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
               models: tuple[str, ...] = ("transformer",),
               progress: Callable[[str], None] = lambda message: None,
-              checkpoint_dir: str | Path | None = None, draws: str | Path | None = None
+              checkpoint_dir: str | Path | None = None, replay: str | Path | None = None
               ) -> dict[str | None, dict[str, list[str]]]:
     """The gate, clean and under every fault, with --strict-warnings (a new warning is a
     fault to catch): for each, the failed rows by section. A section no fault targets
@@ -199,7 +199,7 @@ def selfcheck(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
         here = tuple(s for s in sections
                      if fault is None or REGISTRY[s].FAULTS is None or fault in REGISTRY[s].FAULTS)
         result, _ = gate(base, here, models, fault, zero2_ranks=ranks[fault],
-                         checkpoint_dir=checkpoint_dir, strict_warnings=True, draws=draws)
+                         checkpoint_dir=checkpoint_dir, strict_warnings=True, replay=replay)
         caught[fault] = {name: list(dict.fromkeys(cells[0] for cells, ok in s.rows if not ok))
                          for name, s in result.items() if not s.ok}
     return caught

@@ -59,10 +59,10 @@ def checkpoint_folder(baseline: str | Path = DEFAULT) -> Path:
     return Path(baseline).parent / "checkpoints"
 
 
-def draws_file(baseline: str | Path = DEFAULT) -> Path:
-    """Where the random draws of a baseline's workloads are: ``<name>.draws.pt`` beside its
-    json (``hookbench.core.draws``)."""
-    return Path(baseline).with_suffix(".draws.pt")
+def replay_file(baseline: str | Path = DEFAULT) -> Path:
+    """Where a baseline's workloads' random draws (``hookbench.core.draws``) and step traces
+    (``hookbench.measure.trace``) are: ``<name>.replay.pt`` beside its json."""
+    return Path(baseline).with_suffix(".replay.pt")
 
 
 def environment() -> dict[str, str]:

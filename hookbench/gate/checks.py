@@ -97,9 +97,9 @@ class Run:
     ``fault``: the fault injected (``hookbench.measure.faults``), for sections that run ranks and
     inject it there; ``zero2_ranks``: the ZeRO-2 ranks' results when already run (``selfcheck``
     runs every fault's at once); ``recording``: ``hookbench record`` is measuring, so sections
-    that write files for the gate (the checkpoints) write them first; ``draws``: the file of
-    the baseline's random draws (``hookbench.core.draws``), recorded into it when recording,
-    replayed from it where it exists; ``machine_note``: says that the baseline was recorded on
+    that write files for the gate (the checkpoints) write them first; ``replay``: the file of
+    the baseline's random draws (``hookbench.core.draws``) and step traces
+    (``hookbench.measure.trace``), written when recording, replayed from where it exists; ``machine_note``: says that the baseline was recorded on
     another CPU, empty when not."""
 
     fault: str | None = None
@@ -109,21 +109,26 @@ class Run:
     checkpoint_dir: Path | None = None
     workloads: tuple[Workload, ...] = ()
     recording: bool = False
-    draws: Path | None = None
+    replay: Path | None = None
     machine_note: str = ""
     time_slack: float = names.GATE_TIME_SLACK
     strict_warnings: bool = False
 
 
 def contract_rows(title: str, base: dict, now: dict) -> Section:
-    """Each named behaviour (``None``: it holds; else the error) against its recorded outcome."""
+    """Each named behaviour (``None``: it holds; else the error) against its recorded outcome.
+    One recorded violated that holds now is a fix, toward the contract: it passes, and says
+    so."""
     section = Section(title, ("check", "recorded", "verdict"))
     for name, error in now.items():
         recorded = base.get(name, "not recorded")
         same = (error is None) == (recorded is None)
-        section.add(same, name, "holds" if recorded is None else "violated",
+        fixed = error is None and recorded not in (None, "not recorded")
+        section.add(same or fixed, name, "holds" if recorded is None else "violated",
                     ("holds" if error is None else f"VIOLATED: {error}")
-                    + ("" if same else " (changed; re-record only if intended)"))
+                    + ("" if same else f" (FIXED since the baseline, which recorded: "
+                                       f"{recorded}; record again to hold it)" if fixed
+                       else " (changed; re-record only if intended)"))
     return section
 
 

@@ -466,12 +466,17 @@ def judge(base: dict, now: dict, run: Run) -> Section:
     for key, outcome in now.items():
         recorded = base.get(key, "not recorded")
         explained = EXPLAINED.get(key)
+        # toward eager is a fix: a recorded difference gone passes, and says so
+        fixed = outcome is None and recorded not in (None, "not recorded")
         if outcome == recorded:
             verdict = "equal to eager" if outcome is None else (
                 f"pinned difference: {outcome}" + (f" ({explained})" if explained else ""))
+        elif fixed:
+            verdict = (f"FIXED since the baseline: equal to eager now (recorded: {recorded}); "
+                       f"record again to hold it")
         else:
             verdict = (f"CHANGED: {'equal to eager' if outcome is None else outcome} "
                        f"(re-record only if intended)")
         shown = {None: "equal", "not recorded": "not recorded"}.get(recorded, "differs")
-        section.add(outcome == recorded, key, shown, verdict)
+        section.add(outcome == recorded or fixed, key, shown, verdict)
     return section

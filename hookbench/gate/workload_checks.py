@@ -47,6 +47,7 @@ from hookbench.engines.loop import ACCUMULATION, Refused
 from hookbench.engines.memory import rank_peak
 from hookbench.measure.bounds import (STEP_TEMPORARIES, YARDSTICK_HEADROOM, data_parallel_bound,
                                       trajectory_bound)
+from hookbench.measure import trace
 from hookbench.measure.memory import MemoryResult, measure_or_fall_back
 from hookbench.measure.parity import (AGAINST_FORLOOP, Tolerance, accepts, compare,
                                       refused_here, stepwise, trajectory,
@@ -653,28 +654,79 @@ def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str
 
 def measure(run: Run) -> dict[str, Any] | None:
     """None without workloads: the section is not measured (the gate's default sections).
-    Where the baseline has a draws file (``run.draws``), every random draw of the workloads'
+    Where the baseline has a replay file (``run.replay``), every random draw of the workloads'
     builds, batches and forwards is recorded into it (recording) or replayed from it, in this
     process and on the spawned ranks (``hookbench.core.draws``), with a ``name/draws`` row per
-    workload saying what the draws showed."""
+    workload saying what the draws showed; and each workload's first steps are traced
+    (``hookbench.measure.trace``): recorded, or compared with the recorded trace, so that a
+    row that changed says where it first changed (its ``located``)."""
     if not run.workloads:
         return None
     workloads = list(run.workloads)
-    if run.draws is None or not (run.recording or run.draws.is_file()):
-        return measure_all(workloads, run.fault)  # a baseline without draws: as recorded
+    if run.replay is None or not (run.recording or run.replay.is_file()):
+        return measure_all(workloads, run.fault)  # a baseline without a replay file
     if run.recording:
         with draws.recording() as session:
             rows = measure_all(workloads, run.fault)
-        draws.save(session.draws, run.draws)
+            traces = {w.name: _traces(w) for w in workloads}
+        draws.save(run.replay, session.draws, traces=traces)
     else:
-        recorded = draws.load(run.draws)
-        os.environ[draws.ENV] = str(run.draws)  # the ranks replay the same file
+        recorded = draws.load(run.replay)
+        os.environ[draws.ENV] = str(run.replay)  # the ranks replay the same file
         try:
-            with draws.replaying(recorded) as session:
+            with draws.replaying(recorded["draws"]) as session:
                 rows = measure_all(workloads, run.fault)
+                traces = {w.name: _traces(w) for w in workloads}
         finally:
             del os.environ[draws.ENV]
+        for w in workloads:
+            _locate(w, rows, recorded["traces"].get(w.name, {}), traces[w.name])
     return {**rows, **{f"{w.name}/draws": session.report(w.name) for w in workloads}}
+
+
+def _implementation(workload: Workload, row: str) -> str:
+    """The standard step whose trace locates a change in ``row``: the implementation it steps
+    with, or is held to (the optimizer in backward, ZeRO-2 and the engines: the for-loop)."""
+    if row in ("foreach", "fused"):
+        return row
+    if row == "in_backward_bucketed" or row.endswith("_foreach"):
+        return rows.ROWS[row].references_for(workload)[0].run
+    return "forloop"
+
+
+def _traces(workload: Workload) -> dict[str, Any]:
+    """The traces of ``workload``'s standard steps, one per implementation its rows use (what
+    stopped one, as its ``error``)."""
+    wanted = {_implementation(workload, r) for r in strategies(workload)
+              if not not_applicable(workload, r)}
+    out = {}
+    for implementation in sorted(wanted):
+        try:
+            out[implementation] = trace.trace(workload, implementation, STEPS)
+        except Exception as e:  # noqa: BLE001 - no location, and the words say why
+            out[implementation] = {"error": one_line(e)}
+    return out
+
+
+def _locate(workload: Workload, measured: dict[str, Any], was: dict[str, Any],
+            now: dict[str, Any]) -> None:
+    """Each row of ``workload`` that ran gets ``located``: where its step first changed
+    (``trace.locate``), or that the standard step is as recorded."""
+    for key, value in measured.items():
+        name, _, row = key.partition("/")
+        if name != workload.name or rows.ROWS.get(row) is None or rows.ROWS[row].kind not in (
+                "trajectory", "ranks") or not ({"sha256", "problems"} & set(value)):
+            continue
+        implementation = _implementation(workload, row)
+        a, b = was.get(implementation), now.get(implementation)
+        if a is None or b is None or "error" in a or "error" in b:
+            why = (a or b or {}).get("error") or "no trace recorded"
+            value["located"] = f"not located: the {implementation} step's trace ({why})"
+            continue
+        found = trace.locate(a, b)
+        value["located"] = found["words"] if found else (
+            f"the standard {implementation} step is as recorded over {STEPS} steps (data, "
+            f"forward, loss, backward, step): the change is in this row's own path")
 
 
 def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
@@ -720,8 +772,9 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
             ok, verdict = trajectory_verdict(rec, value, tol and Tolerance(**tol),
                                              run.machine_note)
             drift = yardstick_problem(rec, value)
-            section.add(ok and drift is None, key,
-                        "; ".join(filter(None, (verdict, drift, value.get("parity")))))
+            changed = not ok or drift is not None or "identical" not in verdict
+            section.add(ok and drift is None, key, "; ".join(filter(None, (
+                verdict, drift, value.get("parity"), changed and _located(value, run)))))
     say_warnings(section, now)
     # a release that draws other random numbers: every row of the workload compared on the
     # recorded draws, and says so
@@ -737,6 +790,16 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
     for key in sorted(k for k in set(base) - set(now) if k.split("/")[0] in names):
         section.add(False, key, "recorded, but not measured now (re-record on purpose)")
     return section
+
+
+def _located(value: dict[str, Any], run: Run) -> str | None:
+    """Where a row that changed first changed (``_locate``), and, where the baseline comes
+    from another CPU or thread count, that kernel rounding is one kind of change it may be."""
+    located = value.get("located")
+    if located and run.machine_note:
+        located += (" (or kernel rounding: recorded on another CPU or with other threads; "
+                    "record on this machine to tell)")
+    return located
 
 
 def _drawn(value: dict[str, Any]) -> str:

@@ -248,6 +248,10 @@ class Training:
             (loss if self.scale is None else self.scale(loss)).backward()
         self._step()
 
+    def optimizer_step(self) -> None:
+        """The optimizer step alone, after a backward made outside ``step_on`` (a trace)."""
+        self._step()
+
     def snapshot(self) -> Snapshot:
         snap = {}
         for name, p in self.model.named_parameters():

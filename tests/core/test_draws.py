@@ -136,8 +136,9 @@ def test_draws_survive_a_file_and_nothing_is_pinned_outside_a_session(tmp_path):
     assert draws.active() is None
     with draws.recording() as recorded:
         expected = step(WORKLOAD)
-    draws.save(recorded.draws, tmp_path / "d.pt")
-    with OtherStreams(), draws.replaying(draws.load(tmp_path / "d.pt")):
+    draws.save(tmp_path / "d.pt", recorded.draws, traces={"beside": 1})
+    assert draws.load(tmp_path / "d.pt")["traces"] == {"beside": 1}
+    with OtherStreams(), draws.replaying(draws.load(tmp_path / "d.pt")["draws"]):
         assert same(step(WORKLOAD), expected)
     assert draws.active() is None
 

@@ -601,3 +601,18 @@ def test_other_threads_are_named_where_the_bits_changed(base):
     then = {**base, "recorded_with": {**base["recorded_with"], "threads": 2}}
     (cells, ok), = gate.check(then, now, parity=False)["numerics"].rows
     assert ok and "recorded on 2 threads, this run has 7" in cells[-1], cells
+
+
+def test_a_change_toward_the_contract_is_a_fix_and_away_from_it_a_failure():
+    # hooks' contract and compile's checks: violated -> holds passes, saying FIXED; the
+    # other way round fails (the regression the gate is for)
+    from hookbench.gate import compiled_hooks
+
+    fixed = checks.contract_rows("t", {"c": "RuntimeError: fired twice"}, {"c": None})
+    broken = checks.contract_rows("t", {"c": None}, {"c": "RuntimeError: fired twice"})
+    assert fixed.ok and "FIXED since the baseline" in fixed.rows[0][0][-1]
+    assert not broken.ok and "VIOLATED" in broken.rows[0][0][-1]
+    fixed = compiled_hooks.judge({"inductor/x": "differs: 2 calls"}, {"inductor/x": None}, Run())
+    broken = compiled_hooks.judge({"inductor/x": None}, {"inductor/x": "differs: 2 calls"}, Run())
+    assert fixed.ok and fixed.rows[0][0][-1].startswith("FIXED since the baseline: equal to eager")
+    assert not broken.ok

@@ -7,6 +7,8 @@ holds on the replayed draws."""
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hookbench import gate
 from tests.core.test_draws import WORKLOAD, OtherStreams
@@ -17,7 +19,7 @@ pytestmark = pytest.mark.distributed
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
     path = tmp_path_factory.mktemp("draws") / "baseline.draws.pt"
-    base = gate.measure_all(("workloads",), workloads=[WORKLOAD], recording=True, draws=path)
+    base = gate.measure_all(("workloads",), workloads=[WORKLOAD], recording=True, replay=path)
     assert path.is_file() and base["workloads"]["drop/draws"]["draws"] > 0
     return base, path
 
@@ -30,7 +32,7 @@ def _verdicts(base: dict, now: dict) -> dict[str, tuple[bool, str]]:
 def test_a_torch_that_draws_other_numbers_gates_clean_and_says_so(recorded):
     base, path = recorded
     with OtherStreams():  # this process's draws: the strategies' rows and the references
-        now = gate.measure_all(("workloads",), workloads=[WORKLOAD], draws=path)
+        now = gate.measure_all(("workloads",), workloads=[WORKLOAD], replay=path)
     rows = _verdicts(base, now)
     assert all(ok for ok, _ in rows.values()), {k: v for k, (ok, v) in rows.items() if not ok}
     assert "differ from the baseline's" in rows["drop/draws"][1]
@@ -39,9 +41,43 @@ def test_a_torch_that_draws_other_numbers_gates_clean_and_says_so(recorded):
 
 def test_a_dropout_that_drops_another_fraction_fails_its_draws_row(recorded):
     base, path = recorded
-    now = gate.measure_all(("workloads",), workloads=[WORKLOAD], draws=path,
+    now = gate.measure_all(("workloads",), workloads=[WORKLOAD], replay=path,
                            fault="dropout_drops_half")
     rows = _verdicts(base, now)
     failed = {key: verdict for key, (ok, verdict) in rows.items() if not ok}
     assert list(failed) == ["drop/draws"], failed  # the other rows hold on the replayed draws
     assert failed["drop/draws"].startswith("aten::bernoulli_(0.9) draws mean 0.5")
+
+
+class LastLinearOff(TorchDispatchMode):
+    """A torch whose matmul rounds otherwise for one layer: the 4-wide output Linear's."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.addmm.default and out.shape[-1] == 4:
+            out = out * (1 + 1e-3)
+        return out
+
+
+def test_a_row_that_changed_says_where_it_first_changed(recorded):
+    base, path = recorded
+    with LastLinearOff():
+        now = gate.measure_all(("workloads",), workloads=[WORKLOAD], replay=path)
+    rows = _verdicts(base, now)
+    assert not rows["drop/forloop"][0]
+    assert ("first changed at step 0, forward: module b (Linear, call 0) given its recorded "
+            "inputs returns another output") in rows["drop/forloop"][1]
+    assert rows["drop/forloop"][1].endswith("arithmetic of a module (Linear)")
+
+
+@pytest.mark.slow
+def test_an_optimizer_that_steps_otherwise_is_located_in_its_step(tmp_path):
+    adam = WORKLOAD.replace(name="drop-adam", optimizer=(torch.optim.Adam, {"lr": 1e-2}))
+    path = tmp_path / "b.replay.pt"
+    base = gate.measure_all(("workloads",), workloads=[adam], recording=True, replay=path)
+    now = gate.measure_all(("workloads",), workloads=[adam], replay=path,
+                           fault="optimizer_arithmetic_changed")
+    verdict = _verdicts(base, now)["drop-adam/forloop"]
+    assert not verdict[0] and "first changed at step 0, optimizer step: a.weight updated " \
+        "otherwise from its recorded gradient by the forloop step" in verdict[1], verdict
+    assert verdict[1].endswith("arithmetic of the optimizer (forloop)")

@@ -1,0 +1,160 @@
+"""Where a training step first changed, and what kind of change it is: a trace of a workload's
+first steps, recorded with the baseline and compared on the gate.
+
+``trace`` trains a workload with the standard step of one optimizer implementation (for-loop,
+foreach, fused) and keeps, per step, digests (sha256 of the bytes) and float64 L2 norms of
+the batch, the parameters before the step, every module call of the forward (what it was given,
+from a pre-hook, and what it returned, from ``ActivationCapture``), in the order the calls end,
+the loss, every parameter's gradient and every parameter after the step. ``locate`` compares
+two traces and names the first place they part, with its kind:
+
+    data            the batch: the batch function's arithmetic (its draws are pinned)
+    initialisation  the parameters before the first step: the initialisers' arithmetic
+    forward         the first module call, in the order calls end, whose output differs while
+                    what it was given is as recorded: the module's arithmetic; given other
+                    inputs while every call before it returned its recorded output: arithmetic
+                    between the modules (a functional op in the parent's forward)
+    loss            the loss function's arithmetic on the recorded outputs
+    backward        the first parameter, in the model's order, whose gradient differs after an
+                    identical forward: backward's arithmetic
+    optimizer step  the first parameter updated otherwise from identical gradients: that
+                    implementation's arithmetic
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from hookbench.core.workload import Workload
+from hookbench.mechanisms.activation_capture import ActivationCapture
+from hookbench.measure.parity import training
+
+__all__ = ["STEPS", "locate", "trace"]
+
+STEPS = 3  # the steps the trajectory rows train
+Mark = tuple[str, float]  # (digest, float64 L2 norm) of one or more tensors
+
+
+def _mark(value: Any) -> Mark:
+    """The digest of every tensor in ``value`` (nested), with their float64 L2 norm."""
+    h, squares = hashlib.sha256(), 0.0
+    for t in tree_leaves(value):
+        if isinstance(t, torch.Tensor):
+            t = t.detach().cpu()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            if t.numel() and (t.is_floating_point() or t.is_complex()):
+                squares += float(t.double().abs().square().sum() if not t.is_complex()
+                                 else t.abs().double().square().sum())
+    return h.hexdigest()[:16], squares ** 0.5
+
+
+def trace(workload: Workload, implementation: str = "forloop",
+          steps: int = STEPS) -> dict[str, Any]:
+    """``steps`` standard steps of ``workload`` with ``implementation`` on batch ``i``'s
+    share 0 (as the trajectory rows train), traced as the module docstring says."""
+    cls, kwargs = workload.optimizer
+    eager = workload.replace(compile=None)  # hooks see each module's call: compared eager
+    out: dict[str, Any] = {"implementation": implementation, "steps": []}
+    with training(eager, cls, kwargs, implementation) as run:
+        model = run.model
+        names = {id(m): n for n, m in model.named_modules() if n}
+        for i in range(steps):
+            seen: dict[str, Any] = {"before": {n: _mark(p) for n, p in model.named_parameters()}}
+            x, y = eager.data(i)
+            seen["data"] = _mark((x, y))
+            given: dict[tuple[str, int], Mark] = {}
+            calls: dict[str, int] = {}
+
+            def pre(module: nn.Module, args: Any, kwargs: Any) -> None:
+                if torch._C._current_graph_task_id() != -1:
+                    return  # checkpointing recomputing in backward: not a call of the step
+                name = names[id(module)]
+                call = calls.get(name, 0)
+                calls[name] = call + 1
+                given[name, call] = _mark((args, kwargs))
+
+            handles = [m.register_forward_pre_hook(pre, with_kwargs=True)
+                       for n, m in model.named_modules() if n]
+            try:
+                with ActivationCapture(model) as cap:
+                    loss = eager.compute_loss(model, x, y, (i, 0))
+            finally:
+                for handle in handles:
+                    handle.remove()
+            ended: dict[tuple[str, int], list[torch.Tensor]] = {}
+            for r in cap.records:  # in the order calls ended
+                ended.setdefault((r.name, r.call), []).append(r.value)
+            seen["calls"] = [(name, call, type(model.get_submodule(name)).__name__,
+                              given.get((name, call), ("", 0.0)), _mark(tensors))
+                             for (name, call), tensors in ended.items()]
+            seen["loss"] = _mark(loss)
+            (loss if run.scale is None else run.scale(loss)).backward()
+            seen["grads"] = {n: _mark(p.grad) if p.grad is not None else None
+                             for n, p in model.named_parameters()}
+            run.optimizer_step()
+            seen["after"] = {n: _mark(p) for n, p in model.named_parameters()}
+            out["steps"].append(seen)
+    return out
+
+
+def _first(was: dict[str, Mark | None], now: dict[str, Mark | None]) -> str | None:
+    return next((n for n in was if was[n] != now.get(n)), None) or next(
+        (n for n in now if n not in was), None)
+
+
+def _norms(was: Mark | None, now: Mark | None) -> str:
+    return (f"L2 {was[1]:.9g} recorded, {now[1]:.9g} now" if was and now
+            else f"{'none' if was is None else 'one'} recorded, "
+                 f"{'none' if now is None else 'one'} now")
+
+
+def locate(was: dict[str, Any], now: dict[str, Any]) -> dict[str, str] | None:
+    """Where trace ``now`` first parts from the recorded ``was`` (None: nowhere): the step,
+    the phase, where in it, and the kind of change, with the words."""
+    impl = was["implementation"]
+    for step, (a, b) in enumerate(zip(was["steps"], now["steps"])):
+        def found(phase: str, where: str, kind: str, words: str) -> dict[str, str]:
+            return {"step": str(step), "phase": phase, "where": where, "kind": kind,
+                    "words": f"first changed at step {step}, {phase}: {words}: {kind}"}
+
+        if a["data"] != b["data"]:
+            return found("data", "the batch", "arithmetic of the batch function",
+                         f"the batch ({_norms(a['data'], b['data'])})")
+        if (name := _first(a["before"], b["before"])) is not None:
+            return found("initialisation", name, "arithmetic of the initialisation",
+                         f"{name} ({_norms(a['before'].get(name), b['before'].get(name))})")
+        for (n, c, cls, given_a, out_a), (m, d, _, given_b, out_b) in zip(a["calls"], b["calls"]):
+            if (n, c) != (m, d):
+                return found("forward", n, "another forward",
+                             f"the forward calls {m} (call {d}) where it called {n} (call {c})")
+            if out_a != out_b:
+                if given_a == given_b:
+                    return found("forward", n, f"arithmetic of a module ({cls})",
+                                 f"module {n} ({cls}, call {c}) given its recorded inputs "
+                                 f"returns another output ({_norms(out_a, out_b)})")
+                return found("forward", n, "arithmetic between modules",
+                             f"module {n} ({cls}, call {c}) is given other inputs while every "
+                             f"call before it returned its recorded output (an op in its "
+                             f"parent's forward)")
+        if len(a["calls"]) != len(b["calls"]):
+            return found("forward", "the module calls", "another forward",
+                         f"{len(b['calls'])} module calls where {len(a['calls'])} were recorded")
+        if a["loss"] != b["loss"]:
+            return found("loss", "the loss", "arithmetic of the loss",
+                         f"the loss of the recorded outputs ({_norms(a['loss'], b['loss'])})")
+        if (name := _first(a["grads"], b["grads"])) is not None:
+            return found("backward", name, "arithmetic of backward",
+                         f"the gradient of {name} after the recorded forward "
+                         f"({_norms(a['grads'].get(name), b['grads'].get(name))})")
+        if (name := _first(a["after"], b["after"])) is not None:
+            return found("optimizer step", name,
+                         f"arithmetic of the optimizer ({impl})",
+                         f"{name} updated otherwise from its recorded gradient by the "
+                         f"{impl} step ({_norms(a['after'].get(name), b['after'].get(name))})")
+    return None
