@@ -34,7 +34,8 @@ def run(args: argparse.Namespace) -> int:
                             time_slack=args.time_slack,
                             checkpoint_dir=baselines.checkpoint_folder(baseline),
                             strict_warnings=args.strict_warnings, workloads=workloads,
-                            replay=baselines.replay_file(baseline))
+                            replay=baselines.replay_file(baseline),
+                            repro=Path(args.out) / "repro")
     print(report.render(list(result.values()), title="hookbench gate"))
     failed = [name for name, s in result.items() if not s.ok]
     skipped = sum(s.skipped for s in result.values())

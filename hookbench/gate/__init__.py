@@ -56,16 +56,18 @@ def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = 
                 fault: str | None = None, device: str = "fake",
                 zero2_ranks: list | BaseException | None = None,
                 checkpoint_dir: str | Path | None = None, workloads: list[Workload] = (),
-                recording: bool = False, replay: str | Path | None = None) -> dict[str, Any]:
+                recording: bool = False, replay: str | Path | None = None,
+                repro: str | Path | None = None) -> dict[str, Any]:
     """Everything the baseline holds, measured on the installed torch (under ``fault``).
     ``zero2_ranks``: the ranks' results if already run (``selfcheck`` runs all at once).
     ``checkpoint_dir``: where the baseline's checkpoint files are (default: checkpoints/
     beside ``baselines.DEFAULT``). ``replay``: the file of the workloads' random draws and
-    traces, written when recording, replayed where it exists (``Run.replay``)."""
+    traces, written when recording, replayed where it exists (``Run.replay``); ``repro``:
+    where scripts reproducing a located change go (``Run.repro``)."""
     run = Run(fault=fault, models=models, device=device, zero2_ranks=zero2_ranks,
               checkpoint_dir=Path(checkpoint_dir or baselines.checkpoint_folder()),
               workloads=tuple(workloads), recording=recording,
-              replay=Path(replay) if replay else None)
+              replay=Path(replay) if replay else None, repro=Path(repro) if repro else None)
     out: dict[str, Any] = {"recorded_with": baselines.environment()}
     with inject(fault):
         for name, section in REGISTRY.items():
@@ -164,12 +166,12 @@ def gate(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
          models: tuple[str, ...] = MODELS, fault: str | None = None, device: str = "fake",
          zero2_ranks: list | None = None, time_slack: float = step_time.SLACK,
          checkpoint_dir: str | Path | None = None, strict_warnings: bool = False,
-         workloads: list[Workload] = (), replay: str | Path | None = None
-         ) -> tuple[dict[str, Section], dict[str, Any]]:
+         workloads: list[Workload] = (), replay: str | Path | None = None,
+         repro: str | Path | None = None) -> tuple[dict[str, Section], dict[str, Any]]:
     """Measure on the installed torch and judge against ``base``: the verdict by section, and
     what was measured (``measure_all``; the workloads on the recorded draws of ``replay``)."""
     now = measure_all(sections, models, fault, device, zero2_ranks, checkpoint_dir, workloads,
-                      replay=replay)
+                      replay=replay, repro=repro)
     now["device"] = device
     with inject(fault):
         if isinstance(now.get("time"), dict) and CRASHED not in now["time"]:

@@ -99,7 +99,8 @@ class Run:
     runs every fault's at once); ``recording``: ``hookbench record`` is measuring, so sections
     that write files for the gate (the checkpoints) write them first; ``replay``: the file of
     the baseline's random draws (``hookbench.core.draws``) and step traces
-    (``hookbench.measure.trace``), written when recording, replayed from where it exists; ``machine_note``: says that the baseline was recorded on
+    (``hookbench.measure.trace``), written when recording, replayed from where it exists;
+    ``repro``: the folder for scripts reproducing a change the traces locate; ``machine_note``: says that the baseline was recorded on
     another CPU, empty when not."""
 
     fault: str | None = None
@@ -110,6 +111,7 @@ class Run:
     workloads: tuple[Workload, ...] = ()
     recording: bool = False
     replay: Path | None = None
+    repro: Path | None = None  # where a change located in one module or step gets its script
     machine_note: str = ""
     time_slack: float = names.GATE_TIME_SLACK
     strict_warnings: bool = False

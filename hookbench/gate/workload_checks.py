@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -669,7 +670,7 @@ def measure(run: Run) -> dict[str, Any] | None:
         with draws.recording() as session:
             rows = measure_all(workloads, run.fault)
             traces = {w.name: _traces(w) for w in workloads}
-        draws.save(run.replay, session.draws, traces=traces)
+        draws.save(run.replay, session.draws, traces=traces, torch=str(torch.__version__))
     else:
         recorded = draws.load(run.replay)
         os.environ[draws.ENV] = str(run.replay)  # the ranks replay the same file
@@ -680,7 +681,8 @@ def measure(run: Run) -> dict[str, Any] | None:
         finally:
             del os.environ[draws.ENV]
         for w in workloads:
-            _locate(w, rows, recorded["traces"].get(w.name, {}), traces[w.name])
+            _locate(w, rows, recorded["traces"].get(w.name, {}), traces[w.name], run.repro,
+                    recorded.get("torch", "the baseline's"))
     return {**rows, **{f"{w.name}/draws": session.report(w.name) for w in workloads}}
 
 
@@ -709,9 +711,12 @@ def _traces(workload: Workload) -> dict[str, Any]:
 
 
 def _locate(workload: Workload, measured: dict[str, Any], was: dict[str, Any],
-            now: dict[str, Any]) -> None:
+            now: dict[str, Any], folder: Path | None = None, torch_was: str = "") -> None:
     """Each row of ``workload`` that ran gets ``located``: where its step first changed
-    (``trace.locate``), or that the standard step is as recorded."""
+    (``trace.locate``), or that the standard step is as recorded; with ``folder``, a change
+    in one module or one optimizer step also gets a script reproducing it (``trace.repro``),
+    named in the words."""
+    scripts: dict[str, str] = {}
     for key, value in measured.items():
         name, _, row = key.partition("/")
         if name != workload.name or rows.ROWS.get(row) is None or rows.ROWS[row].kind not in (
@@ -724,9 +729,19 @@ def _locate(workload: Workload, measured: dict[str, Any], was: dict[str, Any],
             value["located"] = f"not located: the {implementation} step's trace ({why})"
             continue
         found = trace.locate(a, b)
-        value["located"] = found["words"] if found else (
-            f"the standard {implementation} step is as recorded over {STEPS} steps (data, "
-            f"forward, loss, backward, step): the change is in this row's own path")
+        if found is None:
+            value["located"] = (f"the standard {implementation} step is as recorded over "
+                                f"{STEPS} steps (data, forward, loss, backward, step): the "
+                                f"change is in this row's own path")
+            continue
+        if folder is not None and implementation not in scripts:
+            try:
+                script = trace.repro(workload, implementation, found, a, folder,
+                                     implementation, torch_was)
+            except Exception as e:  # noqa: BLE001 - the location stands; the words say why
+                script = f"no repro ({one_line(e)})"
+            scripts[implementation] = f"; repro: {script}" if script else ""
+        value["located"] = found["words"] + scripts.get(implementation, "")
 
 
 def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:

@@ -23,7 +23,10 @@ two traces and names the first place they part, with its kind:
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +37,7 @@ from hookbench.core.workload import Workload
 from hookbench.mechanisms.activation_capture import ActivationCapture
 from hookbench.measure.parity import training
 
-__all__ = ["STEPS", "locate", "trace"]
+__all__ = ["STEPS", "locate", "repro", "trace"]
 
 STEPS = 3  # the steps the trajectory rows train
 Mark = tuple[str, float]  # (digest, float64 L2 norm) of one or more tensors
@@ -55,9 +58,12 @@ def _mark(value: Any) -> Mark:
 
 
 def trace(workload: Workload, implementation: str = "forloop",
-          steps: int = STEPS) -> dict[str, Any]:
+          steps: int = STEPS, catch: tuple[int, str, int] | None = None) -> dict[str, Any]:
     """``steps`` standard steps of ``workload`` with ``implementation`` on batch ``i``'s
-    share 0 (as the trajectory rows train), traced as the module docstring says."""
+    share 0 (as the trajectory rows train), traced as the module docstring says. ``catch``
+    (step, module name, call), or (step, parameter name, -1): also keep what that call was
+    given and the module (``"caught"``), or the parameter, its gradient and optimizer state
+    before that step's update, and the optimizer (``repro``)."""
     cls, kwargs = workload.optimizer
     eager = workload.replace(compile=None)  # hooks see each module's call: compared eager
     out: dict[str, Any] = {"implementation": implementation, "steps": []}
@@ -78,6 +84,10 @@ def trace(workload: Workload, implementation: str = "forloop",
                 call = calls.get(name, 0)
                 calls[name] = call + 1
                 given[name, call] = _mark((args, kwargs))
+                if catch == (i, name, call):
+                    # a copy: the step goes on to update the module's parameters in place
+                    out["caught"] = {"module": _bare(module), "args": _copied(args),
+                                     "kwargs": _copied(kwargs)}
 
             handles = [m.register_forward_pre_hook(pre, with_kwargs=True)
                        for n, m in model.named_modules() if n]
@@ -97,6 +107,14 @@ def trace(workload: Workload, implementation: str = "forloop",
             (loss if run.scale is None else run.scale(loss)).backward()
             seen["grads"] = {n: _mark(p.grad) if p.grad is not None else None
                              for n, p in model.named_parameters()}
+            if catch is not None and catch[0] == i and catch[2] == -1:
+                p = model.get_parameter(catch[1])
+                group = next(g for g in run.optimizer.param_groups
+                             if any(q is p for q in g["params"]))
+                out["caught"] = {"parameter": p.detach().clone(), "grad": p.grad.clone(),
+                                 "state": _copied(dict(run.state_of(p))),
+                                 "options": {k: v for k, v in group.items() if k != "params"},
+                                 "class": type(run.optimizer)}
             run.optimizer_step()
             seen["after"] = {n: _mark(p) for n, p in model.named_parameters()}
             out["steps"].append(seen)
@@ -158,3 +176,91 @@ def locate(was: dict[str, Any], now: dict[str, Any]) -> dict[str, str] | None:
                          f"{name} updated otherwise from its recorded gradient by the "
                          f"{impl} step ({_norms(a['after'].get(name), b['after'].get(name))})")
     return None
+
+
+def _bare(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` without the hooks on it (this trace's, a capture's): what the
+    module computes, and nothing that would not load beside torch alone."""
+    bare = copy.deepcopy(module)
+    for m in bare.modules():
+        for name, value in vars(m).items():
+            if "hooks" in name and isinstance(value, dict):
+                value.clear()
+    return bare
+
+
+def _copied(value: Any) -> Any:
+    return torch.utils._pytree.tree_map(
+        lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
+
+
+_SCRIPT = """\
+# A change torch {now} makes against torch {was}, found by hookbench's gate ({row}):
+#   {words}
+# It imports only torch; {files} beside it hold what {what} was given, as recorded.
+# Run it on both releases: the digest printed differs between them.
+import hashlib
+import sys
+from pathlib import Path
+
+import torch
+
+here = Path(__file__).resolve().parent
+{body}
+out = out.detach().cpu()
+digest = hashlib.sha256(f"{{out.dtype}}{{tuple(out.shape)}}".encode()
+                        + out.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+digest = digest.hexdigest()[:16]  # as hookbench's trace marks a tensor
+print(f"torch {{torch.__version__}}: {what} gives sha256 {{digest}}, L2 "
+      f"{{float(out.double().norm()):.9g}}")
+print("torch {was} recorded sha256 {recorded}, L2 {norm:.9g}")
+sys.exit(0 if digest == "{recorded}" else 1)
+"""
+
+
+def repro(workload: Workload, implementation: str, found: dict[str, Any], was: dict[str, Any],
+          folder: Path, row: str, torch_was: str) -> Path | None:
+    """A standalone script reproducing a change ``locate`` ``found`` in one module's forward or
+    one parameter's optimizer step, with what it was given beside it (as recorded: everything
+    before it matched), into ``folder``; None where the change is elsewhere, or the module is
+    not torch's own (the script would need the user's code)."""
+    step = int(found["step"])
+    recorded_steps = was["steps"][step]
+    stem = f"{workload.name}-{row}".replace("/", "-")
+    if found["phase"] == "forward" and found["kind"].startswith("arithmetic of a module"):
+        name, call = found["where"], next(c for n, c, *_ in recorded_steps["calls"]
+                                          if n == found["where"])
+        got = trace(workload, implementation, step + 1, catch=(step, name, call))["caught"]
+        if not type(got["module"]).__module__.startswith("torch."):
+            return None
+        recorded = next(o for n, c, _, _, o in recorded_steps["calls"] if (n, c) == (name, call))
+        saved = {"module": got["module"], "args": got["args"], "kwargs": got["kwargs"]}
+        what = f"module {name} ({type(got['module']).__name__}, call {call})"
+        body = (f"saved = torch.load(here / '{stem}.pt', weights_only=False)\n"
+                f"out = saved['module'](*saved['args'], **saved['kwargs'])")
+    elif found["phase"] == "optimizer step":
+        got = trace(workload, implementation, step + 1, catch=(step, found["where"], -1))
+        got, cls = got["caught"], got["caught"].pop("class")
+        if getattr(torch.optim, cls.__name__, None) is not cls:
+            return None  # not torch's own: the script would need the user's code
+        saved = got
+        recorded = recorded_steps["after"][found["where"]]
+        what = f"the {implementation} step of {found['where']}"
+        body = textwrap.dedent(f"""\
+            saved = torch.load(here / '{stem}.pt', weights_only=False)
+            p = torch.nn.Parameter(saved['parameter'])
+            p.grad = saved['grad']
+            opt = torch.optim.{cls.__name__}([p], **saved['options'])
+            if saved['state']:
+                opt.state[p] = saved['state']
+            opt.step()
+            out = p""")
+    else:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(saved, folder / f"{stem}.pt")
+    script = folder / f"{stem}.py"
+    script.write_text(_SCRIPT.format(now=torch.__version__, was=torch_was, row=row,
+                                     words=found["words"], files=f"{stem}.pt", what=what,
+                                     body=body, recorded=recorded[0], norm=recorded[1]))
+    return script

@@ -6,6 +6,9 @@ holds on the replayed draws."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -59,15 +62,24 @@ class LastLinearOff(TorchDispatchMode):
         return out
 
 
-def test_a_row_that_changed_says_where_it_first_changed(recorded):
+def test_a_row_that_changed_says_where_it_first_changed_with_a_repro(recorded, tmp_path):
     base, path = recorded
     with LastLinearOff():
-        now = gate.measure_all(("workloads",), workloads=[WORKLOAD], replay=path)
+        now = gate.measure_all(("workloads",), workloads=[WORKLOAD], replay=path,
+                               repro=tmp_path)
     rows = _verdicts(base, now)
     assert not rows["drop/forloop"][0]
+    words = rows["drop/forloop"][1]
     assert ("first changed at step 0, forward: module b (Linear, call 0) given its recorded "
-            "inputs returns another output") in rows["drop/forloop"][1]
-    assert rows["drop/forloop"][1].endswith("arithmetic of a module (Linear)")
+            "inputs returns another output") in words
+    script = tmp_path / "drop-forloop.py"
+    assert words.endswith(f"arithmetic of a module (Linear); repro: {script}"), words
+    # standalone (torch alone, from any folder): on this torch, without the change, it gives
+    # the recorded output; under the change, another
+    run = [sys.executable, str(script)]
+    assert subprocess.run(run, cwd="/", capture_output=True, timeout=120).returncode == 0
+    text = script.read_text()
+    assert "import hookbench" not in text and "from hookbench" not in text
 
 
 @pytest.mark.slow
