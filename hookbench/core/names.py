@@ -18,7 +18,7 @@ FAULTS = ("fires_twice", "stops_after_first_backward", "never_fires",
           "ddp_ignores_comm_hook", "deepspeed_drops_settings", "fsdp2_drops_settings",
           "implementation_flag_ignored", "capturable_ignored", "kernel_ignores_maximize",
           "fused_sgd_skips_low_precision", "checkpoint_forgets_rng_state",
-          "dropout_drops_half", "dropout_ignores_seed")
+          "fsdp2_reduces_in_bf16", "dropout_drops_half", "dropout_ignores_seed")
 # Faults of the DeepSpeed row, which the gate leaves out (deepspeed is an optional install):
 # ``selfcheck`` does not run them, and the peers tier shows that they are caught.
 PEER_FAULTS = ("deepspeed_drops_settings",)

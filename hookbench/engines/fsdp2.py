@@ -35,6 +35,8 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from hookbench.core.fsdp import api
 from hookbench.core.prerequisites import one_line
@@ -341,22 +343,27 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
         else:
             optimizer = optimizer_class(params, **kwargs)
 
+        reaching = _Reaching()
+
         def observe(synced: bool) -> dict[str, Any]:
             seen = {"synced": synced, "hook_calls": dict(calls),
                     "not_reduced": list(not_reduced),
                     "shard_grads": sorted(n for p, n in names.items() if p.grad is not None),
                     "unsharded_grads": _unsharded_grads(model),
-                    "peak_shard_grad_bytes": live[0]}
+                    "peak_shard_grad_bytes": live[0],
+                    "reduce_scatter_dtypes": sorted(reaching.dtypes)}
             calls.clear()
             not_reduced.clear()
+            reaching.dtypes.clear()
             live[0] = 0
             return seen
 
         try:
-            result = train(rank, world, spec, model, model, optimizer, device, steps,
-                           accumulation, lambda: _no_sync(model), observe,
-                           lambda: {n: p.full_tensor().detach().cpu().clone()
-                                    for n, p in model.named_parameters()})
+            with reaching:
+                result = train(rank, world, spec, model, model, optimizer, device, steps,
+                               accumulation, lambda: _no_sync(model), observe,
+                               lambda: {n: p.full_tensor().detach().cpu().clone()
+                                        for n, p in model.named_parameters()})
         except (ValueError, RuntimeError) as e:
             if not settings["in_backward"]:
                 raise
@@ -377,6 +384,34 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
             h.remove()
         if settings["in_backward"] and "optimizer" in locals():
             optimizer.remove()
+
+
+class _Reaching(TorchDispatchMode):
+    """The dtypes of what reaches the process group's reduce-scatter (its c10d op): a
+    collective judged by what it is handed, not by the policy FSDP2 holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d" and "reduce_scatter" in func.__name__:
+            self.dtypes.update(str(t.dtype) for t in tree_leaves(args)
+                               if isinstance(t, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+def reduction_problems(after_backward: list[dict[str, Any]], expected: torch.dtype
+                       ) -> list[str]:
+    """A synced backward whose reduce-scatter was handed another dtype than ``expected`` (the
+    policy's ``reduce_dtype``; without one, the shards'), naming it."""
+    for i, seen in enumerate(after_backward):
+        handed = [d for d in seen.get("reduce_scatter_dtypes", []) if d != str(expected)]
+        if seen["synced"] and handed:
+            return [f"backward {i}: the reduce-scatter was handed {', '.join(handed)} where "
+                    f"FSDP2 reduces in {expected} (its mixed-precision policy's reduce_dtype, "
+                    f"or the shards' dtype)"]
+    return []
 
 
 def _watch(model: torch.nn.Module, blocks: list[torch.nn.Module]

@@ -169,13 +169,17 @@ def ddp_checked(workload: Workload, ranks: list[dict[str, Any]],
 def fsdp2_checked(in_backward: bool):
     """FSDP2's: every shard's post-accumulate-grad hook once per run of its unit in a synced
     backward (``fsdp2.hook_problems``; with the optimizer in backward also no shard gradient
-    left after its step), the declared settings run, the ranks agree, and the shard gradients
+    left after its step), its reduce-scatter handed the dtype it reduces in
+    (``fsdp2.reduction_problems``), the declared settings run, the ranks agree, and the shard gradients
     held at once within what the engine is for (``_gradient_memory``)."""
     def checked(workload: Workload, ranks: list[dict[str, Any]],
                 results: dict[str, list[dict[str, Any]]]) -> Checked:
         rank0 = ranks[0]
+        mixed = fsdp2.mixed_dtypes(workload)
         problems = (fsdp2.hook_problems(rank0["after_backward"], fsdp2.unit_runs(workload),
                                         in_backward)
+                    + fsdp2.reduction_problems(rank0["after_backward"],
+                                               mixed[1] if mixed else workload.parameter_dtype)
                     + fsdp2.setting_problems(workload.fsdp2, rank0) + _ranks_agree(ranks))
         said = [f"{rank0['units']} blocks sharded besides the root"]
         if workload.fsdp2:  # what FSDP2 ran, beside what was declared

@@ -26,7 +26,7 @@ from hookbench.models.zoo import workload as zoo_workload
 # The engine faults, and a hook fault the shards' hooks must show (each run starts the ranks).
 FAULTS = ("fires_twice", "fsdp2_forgets_shard_hooks", "reduce_scatter_wrong_slice",
           "ddp_bucket_reduced_twice", "ddp_drops_settings", "ddp_ignores_comm_hook",
-          "fsdp2_drops_settings")
+          "fsdp2_drops_settings", "fsdp2_reduces_in_bf16")
 # Adam at the zoo's ZeRO-2 parity rate (zero2_runs.PARITY_OPTIMIZERS), for-loop; DDP and FSDP2
 # with settings a team declares, each other than torch's default so that torch ignoring it
 # shows (the arithmetic is the defaults': a 227-parameter model fits one bucket either way;

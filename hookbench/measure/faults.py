@@ -31,7 +31,8 @@ runs the for-loop;
 says; ``fused_sgd_skips_low_precision`` leaves bf16 and fp16 parameters unchanged by fused SGD
 (pytorch#191763, torch 2.12 and 2.13 on CPU); ``checkpoint_forgets_rng_state`` recomputes
 a checkpointed block on other random numbers than its forward drew; ``dropout_drops_half``
-draws every dropout mask keeping half the inputs whatever the probability, and
+``fsdp2_reduces_in_bf16`` hands every fp32 reduce-scatter bf16 (FSDP2's policy says fp32);
+``dropout_drops_half`` draws every dropout mask keeping half the inputs whatever the probability, and
 ``dropout_ignores_seed`` draws each from one fixed state whatever the seed (caught where
 pinned draws are replayed: a workload's ``draws`` row).
 A fault reaches a run on the ranks by one rule, ``run_under``. The fault tests,
@@ -345,6 +346,22 @@ def _fake_tensor_mode() -> list[tuple[object, str]]:
 
 def _memory_tracker() -> list[tuple[object, str]]:
     return [(StorageTracker, "track")]
+
+
+def _reduces_in_bf16(original: Callable) -> Callable:
+    # FSDP2 keeps MixedPrecisionPolicy(reduce_dtype=torch.float32) but hands the reduce-scatter
+    # bf16: its fp32 gradients rounded to bf16 before they are summed
+    def reduce_scatter(output, input, *args, **kwargs):
+        if input.dtype != torch.float32:
+            return original(output, input, *args, **kwargs)
+        low = torch.empty_like(output, dtype=torch.bfloat16)
+        work = original(low, input.to(torch.bfloat16), *args, **kwargs)
+        if work is not None:
+            work.wait()
+        output.copy_(low)
+        return work
+
+    return reduce_scatter
 
 
 class _DropoutMasks(TorchDispatchMode):
@@ -684,6 +701,7 @@ FAULTS: dict[str, Swap | Callable[[], contextlib.AbstractContextManager]] = {
                                       _skips_low_precision),
     "checkpoint_forgets_rng_state": (lambda: [(importlib.import_module("torch.utils.checkpoint"),
                                                "checkpoint")], _forgets_rng_state),
+    "fsdp2_reduces_in_bf16": (_reduce_scatters, _reduces_in_bf16),
     "dropout_drops_half": _drops_half,
     "dropout_ignores_seed": _ignores_seed,
 }

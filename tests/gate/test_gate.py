@@ -518,6 +518,7 @@ CAUGHT_BY = {
     "ddp_ignores_comm_hook": {"engines"},
     "deepspeed_drops_settings": set(),  # the DeepSpeed row is outside the gate (PEER_FAULTS)
     "fsdp2_drops_settings": {"engines"},
+    "fsdp2_reduces_in_bf16": {"engines"},
     "implementation_flag_ignored": {"parity", "numerics"},
     "capturable_ignored": {"parity"},
     "kernel_ignores_maximize": {"parity"},
