@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +38,7 @@ from hookbench.core.prerequisites import attempt, one_line, warnings_kept
 from hookbench.core.workload import Workload, describe
 from hookbench.gate.baselines import fingerprint
 from hookbench.gate.checks import Run, Section, trajectory_verdict
-from hookbench.gate import rows
+from hookbench.gate import replay, rows
 from hookbench.gate.judge import Runs, judge_row, refused_words, trained
 from hookbench.gate.memory import amount, memory_verdict
 from hookbench.engines import fsdp2, references, verdicts
@@ -48,7 +46,6 @@ from hookbench.engines.loop import ACCUMULATION, Refused
 from hookbench.engines.memory import rank_peak
 from hookbench.measure.bounds import (STEP_TEMPORARIES, YARDSTICK_HEADROOM, data_parallel_bound,
                                       trajectory_bound)
-from hookbench.measure import trace
 from hookbench.measure.memory import MemoryResult, measure_or_fall_back
 from hookbench.measure.parity import (AGAINST_FORLOOP, Tolerance, accepts, compare,
                                       refused_here, stepwise, trajectory,
@@ -654,94 +651,12 @@ def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str
 
 
 def measure(run: Run) -> dict[str, Any] | None:
-    """None without workloads: the section is not measured (the gate's default sections).
-    Where the baseline has a replay file (``run.replay``), every random draw of the workloads'
-    builds, batches and forwards is recorded into it (recording) or replayed from it, in this
-    process and on the spawned ranks (``hookbench.core.draws``), with a ``name/draws`` row per
-    workload saying what the draws showed; and each workload's first steps are traced
-    (``hookbench.measure.trace``): recorded, or compared with the recorded trace, so that a
-    row that changed says where it first changed (its ``located``)."""
+    """None without workloads: the section is not measured (the gate's default sections);
+    their random draws recorded or replayed, and their steps traced, where the baseline has a
+    replay file (``hookbench.gate.replay``)."""
     if not run.workloads:
         return None
-    workloads = list(run.workloads)
-    if run.replay is None or not (run.recording or run.replay.is_file()):
-        return measure_all(workloads, run.fault)  # a baseline without a replay file
-    if run.recording:
-        with draws.recording() as session:
-            rows = measure_all(workloads, run.fault)
-            traces = {w.name: _traces(w) for w in workloads}
-        draws.save(run.replay, session.draws, traces=traces, torch=str(torch.__version__))
-    else:
-        recorded = draws.load(run.replay)
-        os.environ[draws.ENV] = str(run.replay)  # the ranks replay the same file
-        try:
-            with draws.replaying(recorded["draws"]) as session:
-                rows = measure_all(workloads, run.fault)
-                traces = {w.name: _traces(w) for w in workloads}
-        finally:
-            del os.environ[draws.ENV]
-        for w in workloads:
-            _locate(w, rows, recorded["traces"].get(w.name, {}), traces[w.name], run.repro,
-                    recorded.get("torch", "the baseline's"))
-    return {**rows, **{f"{w.name}/draws": session.report(w.name) for w in workloads}}
-
-
-def _implementation(workload: Workload, row: str) -> str:
-    """The standard step whose trace locates a change in ``row``: the implementation it steps
-    with, or is held to (the optimizer in backward, ZeRO-2 and the engines: the for-loop)."""
-    if row in ("foreach", "fused"):
-        return row
-    if row == "in_backward_bucketed" or row.endswith("_foreach"):
-        return rows.ROWS[row].references_for(workload)[0].run
-    return "forloop"
-
-
-def _traces(workload: Workload) -> dict[str, Any]:
-    """The traces of ``workload``'s standard steps, one per implementation its rows use (what
-    stopped one, as its ``error``)."""
-    wanted = {_implementation(workload, r) for r in strategies(workload)
-              if not not_applicable(workload, r)}
-    out = {}
-    for implementation in sorted(wanted):
-        try:
-            out[implementation] = trace.trace(workload, implementation, STEPS)
-        except Exception as e:  # noqa: BLE001 - no location, and the words say why
-            out[implementation] = {"error": one_line(e)}
-    return out
-
-
-def _locate(workload: Workload, measured: dict[str, Any], was: dict[str, Any],
-            now: dict[str, Any], folder: Path | None = None, torch_was: str = "") -> None:
-    """Each row of ``workload`` that ran gets ``located``: where its step first changed
-    (``trace.locate``), or that the standard step is as recorded; with ``folder``, a change
-    in one module or one optimizer step also gets a script reproducing it (``trace.repro``),
-    named in the words."""
-    scripts: dict[str, str] = {}
-    for key, value in measured.items():
-        name, _, row = key.partition("/")
-        if name != workload.name or rows.ROWS.get(row) is None or rows.ROWS[row].kind not in (
-                "trajectory", "ranks") or not ({"sha256", "problems"} & set(value)):
-            continue
-        implementation = _implementation(workload, row)
-        a, b = was.get(implementation), now.get(implementation)
-        if a is None or b is None or "error" in a or "error" in b:
-            why = (a or b or {}).get("error") or "no trace recorded"
-            value["located"] = f"not located: the {implementation} step's trace ({why})"
-            continue
-        found = trace.locate(a, b)
-        if found is None:
-            value["located"] = (f"the standard {implementation} step is as recorded over "
-                                f"{STEPS} steps (data, forward, loss, backward, step): the "
-                                f"change is in this row's own path")
-            continue
-        if folder is not None and implementation not in scripts:
-            try:
-                script = trace.repro(workload, implementation, found, a, folder,
-                                     implementation, torch_was)
-            except Exception as e:  # noqa: BLE001 - the location stands; the words say why
-                script = f"no repro ({one_line(e)})"
-            scripts[implementation] = f"; repro: {script}" if script else ""
-        value["located"] = found["words"] + scripts.get(implementation, "")
+    return replay.measured(run, lambda: measure_all(list(run.workloads), run.fault))
 
 
 def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
@@ -776,7 +691,7 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
         elif kind == "transform":  # live: the transformed step against the plain one
             section.add(True, key, value["transform"])
         elif kind == "draws":
-            section.add(True, key, _drawn(value))
+            section.add(True, key, replay.drawn(value))
         elif kind == "capture":  # a module call more or less is a changed model
             ok = rec is not None and rec.get("records") == value["records"]
             section.add(ok, key, f"{value['records']} of {value['calls']} module calls "
@@ -789,47 +704,14 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
             drift = yardstick_problem(rec, value)
             changed = not ok or drift is not None or "identical" not in verdict
             section.add(ok and drift is None, key, "; ".join(filter(None, (
-                verdict, drift, value.get("parity"), changed and _located(value, run)))))
+                verdict, drift, value.get("parity"),
+                changed and replay.located(value, run.machine_note)))))
     say_warnings(section, now)
-    # a release that draws other random numbers: every row of the workload compared on the
-    # recorded draws, and says so
-    replayed = {key.split("/")[0] for key, value in now.items()
-                if key.endswith("/draws") and value.get("differ")}
-    for i, (cells, verdict) in enumerate(section.rows):
-        name, _, row_name = cells[0].partition("/")
-        if name in replayed and row_name in rows.ROWS and rows.ROWS[row_name].kind in (
-                "trajectory", "ranks", "capture", "transform"):
-            section.rows[i] = ((*cells[:-1], f"{cells[-1]}; random draws differ from the "
-                                             f"baseline's: replayed"), verdict)
+    replay.say_replayed(section, now)
     names = {key.split("/")[0] for key in now}
     for key in sorted(k for k in set(base) - set(now) if k.split("/")[0] in names):
         section.add(False, key, "recorded, but not measured now (re-record on purpose)")
     return section
-
-
-def _located(value: dict[str, Any], run: Run) -> str | None:
-    """Where a row that changed first changed (``_locate``), and, where the baseline comes
-    from another CPU or thread count, that kernel rounding is one kind of change it may be."""
-    located = value.get("located")
-    if located and run.machine_note:
-        located += (" (or kernel rounding: recorded on another CPU or with other threads; "
-                    "record on this machine to tell)")
-    return located
-
-
-def _drawn(value: dict[str, Any]) -> str:
-    """A workload's draws row in words (``hookbench.core.draws.Session.report``)."""
-    differ = value.get("differ", 0)
-    words = [f"{value['draws']} random draws " + (
-        f"replayed: {differ} differ from the baseline's (this torch draws other numbers; "
-        f"every row compared on the recorded ones), held to the recorded distribution"
-        if differ else "as recorded")]
-    for field, what in (("not_recorded", "not in the baseline, drawn anew"),
-                        ("not_replayable", "not replayable (compared as drawn)")):
-        if value.get(field):
-            words.append(f"{what}: " + ", ".join(f"{op} x{n}" for op, n in
-                                                 sorted(value[field].items())))
-    return "; ".join(words)
 
 
 def live_verdict(key: str, value: dict[str, Any]) -> tuple[bool, str]:

@@ -1,0 +1,156 @@
+"""A user's workloads through the gate on the baseline's replay file (``<name>.replay.pt``
+beside its json, ``hookbench.gate.baselines.replay_file``): their random draws
+(``hookbench.core.draws``) and their standard steps' traces (``hookbench.measure.trace``),
+recorded with the baseline and replayed on the gate, in this process and on the spawned ranks.
+
+    measured      the workloads' rows, measured in a recording or a replaying session; per
+                  workload a ``name/draws`` row (what the draws showed), and on the gate each
+                  row's ``located``: where its step first changed against the recorded trace,
+                  with a script reproducing a change in one module or one optimizer step
+    located       a row's location in words (kernel rounding named where the baseline is
+                  another machine's)
+    drawn         a draws row in words
+    say_replayed  every row of a workload whose draws differ from the baseline's says they
+                  were replayed
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from hookbench.core import draws
+from hookbench.core.prerequisites import one_line
+from hookbench.core.workload import Workload
+from hookbench.gate import rows
+from hookbench.gate.checks import Run, Section
+from hookbench.measure import trace
+
+__all__ = ["drawn", "located", "measured", "say_replayed"]
+
+
+def measured(run: Run, measure_all: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``measure_all()``'s rows of ``run.workloads``: as recorded where the baseline has no
+    replay file; else in a session recording into it (``run.recording``) or replaying it."""
+    workloads = list(run.workloads)
+    if run.replay is None or not (run.recording or run.replay.is_file()):
+        return measure_all()  # a baseline without a replay file
+    if run.recording:
+        with draws.recording() as session:
+            got = measure_all()
+            traces = {w.name: _traces(w) for w in workloads}
+        draws.save(run.replay, session.draws, traces=traces, torch=str(torch.__version__))
+    else:
+        recorded = draws.load(run.replay)
+        os.environ[draws.ENV] = str(run.replay)  # the ranks replay the same file
+        try:
+            with draws.replaying(recorded["draws"]) as session:
+                got = measure_all()
+                traces = {w.name: _traces(w) for w in workloads}
+        finally:
+            del os.environ[draws.ENV]
+        for w in workloads:
+            _locate(w, got, recorded["traces"].get(w.name, {}), traces[w.name], run.repro,
+                    recorded.get("torch", "the baseline's"))
+    return {**got, **{f"{w.name}/draws": session.report(w.name) for w in workloads}}
+
+
+def _implementation(workload: Workload, row: str) -> str:
+    """The standard step whose trace locates a change in ``row``: the implementation it steps
+    with, or is held to (the optimizer in backward, ZeRO-2 and the engines: the for-loop)."""
+    if row in ("foreach", "fused"):
+        return row
+    if row == "in_backward_bucketed" or row.endswith("_foreach"):
+        return rows.ROWS[row].references_for(workload)[0].run
+    return "forloop"
+
+
+def _traces(workload: Workload) -> dict[str, Any]:
+    """The traces of ``workload``'s standard steps, one per implementation its rows use (what
+    stopped one, as its ``error``)."""
+    wanted = {_implementation(workload, r.name) for r in rows.STRATEGY_ROWS
+              if r.only_if(workload) and not r.not_applicable(workload)}
+    out = {}
+    for implementation in sorted(wanted):
+        try:
+            out[implementation] = trace.trace(workload, implementation, rows.STEPS)
+        except Exception as e:  # noqa: BLE001 - no location, and the words say why
+            out[implementation] = {"error": one_line(e)}
+    return out
+
+
+def _locate(workload: Workload, got: dict[str, Any], was: dict[str, Any],
+            now: dict[str, Any], folder: Path | None = None, torch_was: str = "") -> None:
+    """Each row of ``workload`` that ran gets ``located``: where its step first changed
+    (``trace.locate``), or that the standard step is as recorded; with ``folder``, a change
+    in one module or one optimizer step also gets a script reproducing it (``trace.repro``),
+    named in the words."""
+    scripts: dict[str, str] = {}
+    for key, value in got.items():
+        name, _, row = key.partition("/")
+        if name != workload.name or rows.ROWS.get(row) is None or rows.ROWS[row].kind not in (
+                "trajectory", "ranks") or not ({"sha256", "problems"} & set(value)):
+            continue
+        implementation = _implementation(workload, row)
+        a, b = was.get(implementation), now.get(implementation)
+        if a is None or b is None or "error" in a or "error" in b:
+            why = (a or b or {}).get("error") or "no trace recorded"
+            value["located"] = f"not located: the {implementation} step's trace ({why})"
+            continue
+        found = trace.locate(a, b)
+        if found is None:
+            value["located"] = (f"the standard {implementation} step is as recorded over "
+                                f"{rows.STEPS} steps (data, forward, loss, backward, step): the "
+                                f"change is in this row's own path")
+            continue
+        if folder is not None and implementation not in scripts:
+            try:
+                script = trace.repro(workload, implementation, found, a, folder,
+                                     implementation, torch_was)
+            except Exception as e:  # noqa: BLE001 - the location stands; the words say why
+                script = f"no repro ({one_line(e)})"
+            scripts[implementation] = f"; repro: {script}" if script else ""
+        value["located"] = found["words"] + scripts.get(implementation, "")
+
+
+
+
+def located(value: dict[str, Any], machine_note: str) -> str | None:
+    """Where a row that changed first changed (``measured``), and, where the baseline comes
+    from another CPU or thread count, that kernel rounding is one kind of change it may be."""
+    located = value.get("located")
+    if located and machine_note:
+        located += (" (or kernel rounding: recorded on another CPU or with other threads; "
+                    "record on this machine to tell)")
+    return located
+
+
+def drawn(value: dict[str, Any]) -> str:
+    """A workload's draws row in words (``hookbench.core.draws.Session.report``)."""
+    differ = value.get("differ", 0)
+    words = [f"{value['draws']} random draws " + (
+        f"replayed: {differ} differ from the baseline's (this torch draws other numbers; "
+        f"every row compared on the recorded ones), held to the recorded distribution"
+        if differ else "as recorded")]
+    for field, what in (("not_recorded", "not in the baseline, drawn anew"),
+                        ("not_replayable", "not replayable (compared as drawn)")):
+        if value.get(field):
+            words.append(f"{what}: " + ", ".join(f"{op} x{n}" for op, n in
+                                                 sorted(value[field].items())))
+    return "; ".join(words)
+
+
+def say_replayed(section: Section, now: dict[str, Any]) -> None:
+    """A release that draws other random numbers: every row of the workload was compared on
+    the recorded draws, and says so."""
+    replayed = {key.split("/")[0] for key, value in now.items()
+                if key.endswith("/draws") and value.get("differ")}
+    for i, (cells, verdict) in enumerate(section.rows):
+        name, _, row = cells[0].partition("/")
+        if name in replayed and row in rows.ROWS and rows.ROWS[row].kind in (
+                "trajectory", "ranks", "capture", "transform"):
+            section.rows[i] = ((*cells[:-1], f"{cells[-1]}; random draws differ from the "
+                                             f"baseline's: replayed"), verdict)
