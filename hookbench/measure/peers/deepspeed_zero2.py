@@ -301,7 +301,9 @@ def differences(ours: dict[str, Any], theirs: dict[str, Any],
     with ``tolerance``, the first outside it (``hookbench.measure.parity.compare``). Where either holds
     ``"initial_masters"`` (mixed precision, on one rank), also ``master_differences``: the
     fp32 masters are compared bit for bit, with or without ``tolerance``. Empty: equal."""
-    problems = [f"hookbench: {ours['error']}"] if ours.get("error") else []
+    if ours.get("error"):  # it stopped (``faults.run_under``): nothing else to compare
+        return [f"hookbench: {ours['error']}"]
+    problems: list[str] = []
     a, b = ours["snapshots"], theirs["snapshots"]
     if not b or len(a) != len(b):
         problems.append(f"{len(a)} steps of hookbench against {len(b)} of DeepSpeed")
