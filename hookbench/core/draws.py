@@ -83,13 +83,18 @@ class Session(TorchDispatchMode):
         self.name = ""  # the workload whose draws are being made
         self.seen: dict[str, dict[str, Any]] = defaultdict(lambda: {
             "draws": 0, "differ": 0, "not_recorded": {}, "not_replayable": {},
-            "stats": defaultdict(lambda: [0, 0.0, 0.0, 0, 0.0, 0.0]), "by_key": {}})
+            "stats": defaultdict(lambda: [0, 0.0, 0.0, 0, 0.0, 0.0]), "by_key": {},
+            "counted": set()})
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded not in func.tags:
             return func(*args, **kwargs)
         name = func._schema.name
+        if "dropout_p" in (f := {a.name: a for a in func._schema.arguments}) and not (
+                kwargs.get("dropout_p", args[list(f).index("dropout_p")]
+                           if list(f).index("dropout_p") < len(args) else 0.0)):
+            return func(*args, **kwargs)  # an attention kernel at dropout_p=0 draws nothing
         gen = _generator(func, args, kwargs, None)
         before = gen.get_state()
         out = func(*args, **kwargs)  # the draw this release makes
@@ -126,6 +131,12 @@ class Session(TorchDispatchMode):
                  recorded: torch.Tensor, args: tuple) -> None:
         """Sums of the fresh and the recorded draws, per op and arguments, for ``report``;
         and which fresh values came from which state, to tell a draw that ignores it."""
+        state_free = key.split("|", 4)
+        state_free = "|".join(state_free[:3] + state_free[4:])
+        seen["by_key"].setdefault(state_free, {})[key] = (_digest(fresh), _digest(recorded))
+        if key in seen["counted"]:
+            return  # each draw once: the runs of one step replay the same draws many times
+        seen["counted"].add(key)
         params = ",".join(f"{a:.6g}" for a in args[1:] if isinstance(a, (int, float)))
         s = seen["stats"][f"{name}({params})"]
         for i, t in ((0, fresh), (3, recorded)):
@@ -133,9 +144,6 @@ class Session(TorchDispatchMode):
             s[i] += x.numel()
             s[i + 1] += float(x.sum())
             s[i + 2] += float((x * x).sum())
-        state_free = key.split("|", 4)
-        state_free = "|".join(state_free[:3] + state_free[4:])
-        seen["by_key"].setdefault(state_free, []).append((_digest(fresh), _digest(recorded)))
 
     def report(self, name: str) -> dict[str, Any]:
         """What workload ``name``'s draws showed: how many were made and replayed, how many
@@ -157,7 +165,8 @@ class Session(TorchDispatchMode):
             elif rvar > 0 and abs(var / rvar - 1) > SIGMAS * math.sqrt(2 / n + 2 / m):
                 problems.append(f"{op} draws variance {var:.4g}, the recorded draws "
                                 f"{rvar:.4g}: another distribution")
-        for key, pairs in sorted(seen["by_key"].items()):
+        for key, by_state in sorted(seen["by_key"].items()):
+            pairs = list(by_state.values())  # one per generator state
             if len({r for _, r in pairs}) > 1 and len({f for f, _ in pairs}) == 1:
                 problems.append(f"{key.split('|')[0]} draws the same values from every "
                                 f"generator state ({len(pairs)} draws of {key.split('|')[1]}), "

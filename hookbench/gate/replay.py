@@ -106,14 +106,15 @@ def _locate(workload: Workload, got: dict[str, Any], was: dict[str, Any],
                                 f"{rows.STEPS} steps (data, forward, loss, backward, step): the "
                                 f"change is in this row's own path")
             continue
-        if folder is not None and implementation not in scripts:
+        place = found["words"]  # one script per place, whichever implementation found it
+        if folder is not None and place not in scripts:
             try:
                 script = trace.repro(workload, implementation, found, a, folder,
                                      implementation, torch_was)
             except Exception as e:  # noqa: BLE001 - the location stands; the words say why
                 script = f"no repro ({one_line(e)})"
-            scripts[implementation] = f"; repro: {script}" if script else ""
-        value["located"] = found["words"] + scripts.get(implementation, "")
+            scripts[place] = f"; repro: {script}" if script else ""
+        value["located"] = place + scripts.get(place, "")
 
 
 

@@ -15,8 +15,10 @@ two traces and names the first place they part, with its kind:
                     inputs while every call before it returned its recorded output: arithmetic
                     between the modules (a functional op in the parent's forward)
     loss            the loss function's arithmetic on the recorded outputs
-    backward        the first parameter, in the model's order, whose gradient differs after an
-                    identical forward: backward's arithmetic
+    backward        after an identical forward, the first module output, as backward goes,
+                    reached by another gradient (from ``ActivationCapture(grads=True)``),
+                    else the first parameter whose gradient differs, in the model's order
+                    reversed: backward's arithmetic
     optimizer step  the first parameter updated otherwise from identical gradients: that
                     implementation's arithmetic
 """
@@ -91,20 +93,26 @@ def trace(workload: Workload, implementation: str = "forloop",
 
             handles = [m.register_forward_pre_hook(pre, with_kwargs=True)
                        for n, m in model.named_modules() if n]
-            try:
-                with ActivationCapture(model) as cap:
+            # open through backward: it also records the gradient reaching each output
+            with ActivationCapture(model, grads=True) as cap:
+                try:
                     loss = eager.compute_loss(model, x, y, (i, 0))
-            finally:
-                for handle in handles:
-                    handle.remove()
-            ended: dict[tuple[str, int], list[torch.Tensor]] = {}
+                finally:
+                    for handle in handles:
+                        handle.remove()
+                (loss if run.scale is None else run.scale(loss)).backward()
+            ended: dict[tuple[str, int], list[Any]] = {}
             for r in cap.records:  # in the order calls ended
-                ended.setdefault((r.name, r.call), []).append(r.value)
+                ended.setdefault((r.name, r.call), []).append((r.value, r.grad))
             seen["calls"] = [(name, call, type(model.get_submodule(name)).__name__,
-                              given.get((name, call), ("", 0.0)), _mark(tensors))
+                              given.get((name, call), ("", 0.0)),
+                              _mark([v for v, _ in tensors]))
                              for (name, call), tensors in ended.items()]
+            # the gradient reaching each call's output, latest call first (as backward goes)
+            seen["reached"] = [(name, call, type(model.get_submodule(name)).__name__,
+                                _mark([g for _, g in tensors if g is not None]))
+                               for (name, call), tensors in reversed(ended.items())]
             seen["loss"] = _mark(loss)
-            (loss if run.scale is None else run.scale(loss)).backward()
             seen["grads"] = {n: _mark(p.grad) if p.grad is not None else None
                              for n, p in model.named_parameters()}
             if catch is not None and catch[0] == i and catch[2] == -1:
@@ -166,7 +174,21 @@ def locate(was: dict[str, Any], now: dict[str, Any]) -> dict[str, str] | None:
         if a["loss"] != b["loss"]:
             return found("loss", "the loss", "arithmetic of the loss",
                          f"the loss of the recorded outputs ({_norms(a['loss'], b['loss'])})")
-        if (name := _first(a["grads"], b["grads"])) is not None:
+        # backward: the first module output, as backward goes, reached by another gradient;
+        # what made it is the backward of the module that took that output in the forward
+        ahead = None
+        for (n, c, cls, got_a), (_, _, _, got_b) in zip(a.get("reached", ()),
+                                                        b.get("reached", ())):
+            if got_a != got_b:
+                after = (f" while the output of {ahead[0]} ({ahead[1]}), after it, got its "
+                         f"recorded gradient" if ahead else "")
+                return found("backward", n, "arithmetic of backward",
+                             f"the gradient reaching the output of module {n} ({cls}, call "
+                             f"{c}) after the recorded forward{after} "
+                             f"({_norms(got_a, got_b)})")
+            ahead = (n, cls)
+        # backward reaches the parameters about in reverse: the last layer's gradient first
+        if (name := _first(dict(reversed(a["grads"].items())), b["grads"])) is not None:
             return found("backward", name, "arithmetic of backward",
                          f"the gradient of {name} after the recorded forward "
                          f"({_norms(a['grads'].get(name), b['grads'].get(name))})")

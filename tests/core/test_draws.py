@@ -125,6 +125,10 @@ def test_a_draw_that_cannot_be_replayed_is_named_and_drawn_as_it_comes():
     with draws.recording() as compiled, draws.pinned("compiled", compiled=True):
         pass
     assert session.report("fused")["not_replayable"] == {"aten::native_dropout": 1}
+    with draws.recording() as attention, draws.pinned("sdpa"):  # tagged, but draws nothing
+        q = torch.randn(1, 2, 4, 8)
+        F.scaled_dot_product_attention(q, q, q)
+    assert attention.report("sdpa")["not_replayable"] == {}
     assert compiled.report("compiled")["not_replayable"] == {"the compiled forward": 1}
     # a draw the baseline lacks (here: other shapes) is named too
     with draws.replaying(session.draws) as replay, draws.pinned("fused"):
