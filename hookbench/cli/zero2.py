@@ -137,8 +137,7 @@ def run(args: argparse.Namespace) -> int:
             _print_memory(ranks)
             got = [r["zero2"] for r in ranks]
             row = attempt(lambda: workload_checks.zero2_row(
-                spec, case, got, [r["ddp"] for r in ranks],
-                workload_checks.zero2_references(spec, case, got, world), world))
+                spec, case, got, [r["ddp"] for r in ranks], world))
             section = report.workload_section(
                 f"ZeRO-2 against torch's DDP on the same {world} ranks and the single process",
                 {f"{spec.name}/zero2": row})

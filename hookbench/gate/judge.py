@@ -106,10 +106,8 @@ def _held(ref: Reference, run: list[Snapshot], runs: Runs) -> references.Held:
                                result.ok)
     assert ref.exact, f"{ref.run}: only another row's run is held bit for bit by name"
     result = compare(run, runs.snapshots(ref.run))
-    return references.Held(f"vs {ref.run}: {result.verdict()}", result.ok)
-
-
-_NAMES = {"engines/fsdp2_zero3": "FSDP2 ZeRO-3 with a standard step"}  # in a verdict's words
+    name = f"{_SHORT[ref.run]} with a standard step" if ref.run in _SHORT else ref.run
+    return references.Held(f"vs {name}: {result.verdict()}", result.ok)
 
 
 def judge_row(entry: Row, runs: Runs) -> dict[str, Any]:
@@ -162,8 +160,7 @@ def judge_row(entry: Row, runs: Runs) -> dict[str, Any]:
                 problems.append(f"no {name} run to compare with")
             continue
         held = _held(ref, run, runs)
-        words.append(prefix + held.words.replace(f"vs {ref.run}:",
-                                                  f"vs {_NAMES.get(ref.run, ref.run)}:", 1))
+        words.append(prefix + held.words)
         if not held.ok:
             problems.append(words[-1])
     out: dict[str, Any] = {"problems": problems, "snapshots": ranks[0]["snapshots"],
@@ -171,9 +168,9 @@ def judge_row(entry: Row, runs: Runs) -> dict[str, Any]:
     if any(ref.yardstick for ref in held_to):
         # the yardstick the baseline keeps: how far two legal references, DDP and the single
         # process, drift apart on this workload, step by step (a later torch is held to it)
-        ddp_run = runs.snapshots("DDP on the same shares")
+        yard = runs.snapshots("DDP on the same shares")
         out["noise_floor"] = (references.largest(references.noise_floor(
-            ddp_run, runs.measured.single)) if isinstance(ddp_run, list) else None)
+            yard, runs.measured.single)) if isinstance(yard, list) else None)
     # 5. the words
     out["parity"] = "; ".join(words + checked.words)
     return out

@@ -52,9 +52,10 @@ from hookbench.measure.parity import (AGAINST_FORLOOP, Tolerance, accepts, compa
                                       without_implementation)
 
 __all__ = ["BATCHES", "DESIGNED", "MEMORY_STRATEGIES", "STEPS", "STRATEGIES", "ZERO2_RANKS",
-           "bucket", "capture", "engine_memory", "engine_references", "engine_rows",
-           "engine_runs", "forloop_options", "live_verdict", "measure_all", "memory", "not_applicable", "refusal",
-           "refused_words", "say_warnings", "strategies", "trajectories", "transform", "zero2"]
+           "bucket", "capture", "engine_memory", "engine_rows", "engine_runs", "forloop_options",
+           "live_verdict", "measure_all", "measure_references", "memory", "not_applicable",
+           "refusal", "refused_words", "say_warnings", "strategies", "trajectories",
+           "transform", "zero2"]
 
 FAULTS = None
 
@@ -173,45 +174,18 @@ def zero2_case(workload: Workload, fault: str | None = None, steps: int = STEPS
                 fault=fault, key=(workload.name, "zero2", "zero2"))
 
 
-def _row_from(entry: rows.Row, runs: Runs) -> dict[str, Any]:
-    """Row ``entry`` judged (``hookbench.gate.judge``), with a fingerprint of rank 0's
-    parameters and the bound it was held to, and the warnings its run raised."""
-    row = judge_row(entry, runs)
-    if "snapshots" in row:
-        row = {**fingerprint(row.pop("snapshots"), SAMPLE), **row,
-               "tolerance": {"rtol": runs.tol.rtol, "atol": runs.tol.atol}}
-    warned = runs.results[entry.name][0].get("warnings")
-    return {**row, "warnings": warned} if warned else row
-
-
-def zero2_row(workload: Workload, case: dict[str, Any], got: list[dict[str, Any]],
-              ddp: list[dict[str, Any]], measured: references.Measured | None,
-              world: int = ZERO2_RANKS) -> dict[str, Any]:
-    """ZeRO-2's row from what each rank returned for ``case`` (``got``), for DDP's case beside
-    it (``ddp``) and the references measured for it (``zero2_references``; None where ZeRO-2
-    did not train), as its entry declares (``rows.ZERO2_ROW``)."""
-    runs = Runs(workload, {"zero2": got, "DDP on the same shares": ddp},
-                measured or references.Measured([], None, ""), data_parallel_bound(workload),
-                world)
-    return _row_from(rows.ZERO2_ROW, runs)
-
-
-def zero2_references(workload: Workload, case: dict[str, Any], got: list[dict[str, Any]],
-                     world: int = ZERO2_RANKS) -> references.Measured | None:
-    """The single process ZeRO-2's row is held to, measured once, where ZeRO-2 trained."""
-    if not trained(got):
-        return None
-    return references.measure(workload, case["kwargs"], case["steps"], world)
-
-
 def measure_references(workload: Workload, results: dict[str, list[dict[str, Any]]],
-                       kwargs: dict[str, Any], steps: int, world: int) -> references.Measured:
-    """The references the engine rows that trained (``results``, by row name) declare, each
-    measured once: the single process with the engines' accumulation, and a mixed-precision
-    reference for each (compute, reduce) dtype pair a row declares."""
-    mixed = {ref.dtypes(workload) for name, ranks in results.items() if trained(ranks)
+                       steps: int, world: int, accumulation: int) -> references.Measured | None:
+    """The references the rows of ``results`` (by row name) that trained declare, each
+    measured once: the single process on ``world`` ranks' shares with the rows' accumulation,
+    and a mixed-precision reference per (compute, reduce) dtype pair a row declares; None
+    where no row trained."""
+    ran = [name for name, ranks in results.items() if name in rows.ROWS and trained(ranks)]
+    if not ran:
+        return None
+    mixed = {ref.dtypes(workload) for name in ran
              for ref in rows.ROWS[name].references_for(workload) if ref.dtypes}
-    return references.measure(workload, kwargs, steps, world, ACCUMULATION,
+    return references.measure(workload, forloop_options(workload), steps, world, accumulation,
                               tuple(sorted(mixed, key=str)))
 
 
@@ -224,6 +198,15 @@ def _measured(fn: Any) -> tuple[Any, list[str]]:
             return fn(), said
         except Exception as e:  # noqa: BLE001 - every row held to them fails, naming it
             return {"error": one_line(e)}, said
+
+
+def zero2_row(workload: Workload, case: dict[str, Any], got: list[dict[str, Any]],
+              ddp: list[dict[str, Any]], world: int = ZERO2_RANKS) -> dict[str, Any]:
+    """ZeRO-2's row from what each rank returned for ``case`` (``got``) and for DDP's case
+    beside it (``ddp``): its references measured, then judged as its entry declares."""
+    results = {"zero2": got, "DDP on the same shares": ddp}
+    return _judged(workload, results, _measured(lambda: measure_references(
+        workload, results, case["steps"], world, 1)), world)["zero2"]
 
 
 def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 300.0,
@@ -244,11 +227,11 @@ def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 
     zero2_results = {w.name: {"zero2": got[case["key"]],
                               "DDP on the same shares": got[(w.name, "zero2", "ddp")]}
                      for w, case in zip(workloads, cases)}
-    # the references, each measured once, before any row is judged
-    measured = {w.name: _measured(lambda w=w, case=case: zero2_references(
-        w, case, got[case["key"]])) for w, case in zip(workloads, cases)}
-    engines_measured = engine_references(engined, stopped, got)
-    out = engine_rows(engined, stopped, got, measured=engines_measured)
+    # the references, each measured once, before any row is judged: ZeRO-2's here, the
+    # engines' in engine_rows before it judges them
+    measured = {w.name: _measured(lambda w=w: measure_references(
+        w, zero2_results[w.name], STEPS, ZERO2_RANKS, 1)) for w in workloads[:len(cases)]}
+    out = engine_rows(engined, stopped, got)
     for w in workloads[:len(cases)]:
         out[f"{w.name}/zero2"] = _judged(w, zero2_results[w.name], measured[w.name],
                                          ZERO2_RANKS)["zero2"]
@@ -260,14 +243,23 @@ def _judged(w: Workload, results: dict[str, list[dict[str, Any]]],
             ) -> dict[str, dict[str, Any]]:
     """Each row of ``results`` (by row name: ZeRO-2's, or the engines' that ran) judged against
     its references, measured already (``_measured``: a row's ``error`` where measuring them
-    stopped); measuring's warnings go into each row."""
+    stopped), with a fingerprint of rank 0's parameters and the bound it was held to; the
+    warnings of its run and of measuring go into each row."""
     reference, said = measured
-    names = [n for n in results if n in rows.ROWS]
     if isinstance(reference, dict):  # measuring the references stopped: so does every row
-        return {n: _with_warnings(reference, said) for n in names}
+        return {n: _with_warnings(reference, said) for n in results if n in rows.ROWS}
     runs = Runs(w, results, reference or references.Measured([], None, ""),
                 data_parallel_bound(w), world)
-    return {n: _row(lambda n=n: _row_from(rows.ROWS[n], runs), said) for n in names}
+
+    def row(entry: rows.Row) -> dict[str, Any]:
+        got = judge_row(entry, runs)
+        if "snapshots" in got:
+            got = {**fingerprint(got.pop("snapshots"), SAMPLE), **got,
+                   "tolerance": {"rtol": runs.tol.rtol, "atol": runs.tol.atol}}
+        warned = results[entry.name][0].get("warnings")
+        return {**got, "warnings": warned} if warned else got
+
+    return {n: _row(lambda n=n: row(rows.ROWS[n]), said) for n in results if n in rows.ROWS}
 
 
 def _with_warnings(row: dict[str, Any], said: list[str]) -> dict[str, Any]:
@@ -301,33 +293,19 @@ def _engine_results(w: Workload, stopped: dict[str, dict[str, str]],
             if e not in stopped}
 
 
-def engine_references(workloads: list[Workload], stopped: dict[str, dict[str, dict[str, str]]],
-                      got: dict[references.Key, list[dict[str, Any]]],
-                      world: int = ZERO2_RANKS, engines: tuple[str, ...] = verdicts.ENGINES
-                      ) -> dict[str, tuple[references.Measured | dict, list[str]]]:
-    """Per workload whose engines ran, the references their rows declare, measured once
-    (``measure_references``), with the warnings measuring them raised."""
-    results = {w.name: _engine_results(w, stopped[w.name], got, engines) for w in workloads}
-    return {w.name: _measured(lambda w=w: measure_references(
-        w, results[w.name], forloop_options(w), STEPS, world)) for w in workloads
-            if results[w.name]}
-
-
 def engine_rows(workloads: list[Workload], stopped: dict[str, dict[str, dict[str, str]]],
                 got: dict[references.Key, list[dict[str, Any]]], world: int = ZERO2_RANKS,
-                engines: tuple[str, ...] = verdicts.ENGINES,
-                measured: dict[str, tuple[references.Measured | dict, list[str]]] | None = None
-                ) -> dict[str, dict[str, Any]]:
+                engines: tuple[str, ...] = verdicts.ENGINES) -> dict[str, dict[str, Any]]:
     """The ``name/engines/<engine>`` rows of ``engine_runs``'s runs from what the ranks
     returned for them (``got``: by key, each case's results in rank order): those that did
-    not run as ``stopped`` says; the others judged against their references (``measured``:
-    ``engine_references``', measured here where not given)."""
-    if measured is None:
-        measured = engine_references(workloads, stopped, got, world, engines)
+    not run as ``stopped`` says; the others judged against their references, every
+    workload's measured before any row is judged."""
+    results = {w.name: _engine_results(w, stopped[w.name], got, engines) for w in workloads}
+    measured = {w.name: _measured(lambda w=w: measure_references(
+        w, results[w.name], STEPS, world, ACCUMULATION)) for w in workloads}
     out: dict[str, dict[str, Any]] = {}
     for w in workloads:
-        results = _engine_results(w, stopped[w.name], got, engines)
-        judged = _judged(w, results, measured[w.name], world) if results else {}
+        judged = _judged(w, results[w.name], measured[w.name], world)
         out.update({f"{w.name}/engines/{e}": stopped[w.name].get(e) or judged[f"engines/{e}"]
                     for e in engines})
     return out
