@@ -359,11 +359,11 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
             return seen
 
         try:
-            with reaching:
-                result = train(rank, world, spec, model, model, optimizer, device, steps,
-                               accumulation, lambda: _no_sync(model), observe,
-                               lambda: {n: p.full_tensor().detach().cpu().clone()
-                                        for n, p in model.named_parameters()})
+            result = train(rank, world, spec, model, model, optimizer, device, steps,
+                           accumulation, lambda: _no_sync(model), observe,
+                           lambda: {n: p.full_tensor().detach().cpu().clone()
+                                    for n, p in model.named_parameters()},
+                           synced_backward=lambda: reaching)  # where reduce-scatters run
         except (ValueError, RuntimeError) as e:
             if not settings["in_backward"]:
                 raise

@@ -47,10 +47,13 @@ def wrapping(engine: str, wrap: Callable[[], Any]) -> Any:
 def train(rank: int, world: int, spec: Workload, model: torch.nn.Module, wrapped: Any,
           optimizer: Any, device: str, steps: int, accumulation: int,
           no_sync: Callable[[], ContextManager], observe: Callable[[bool], dict[str, Any]],
-          full_parameters: Callable[[], dict[str, torch.Tensor]]) -> dict[str, Any]:
+          full_parameters: Callable[[], dict[str, torch.Tensor]],
+          synced_backward: Callable[[], ContextManager] = contextlib.nullcontext
+          ) -> dict[str, Any]:
     """Train ``wrapped`` (the engine's model; ``model`` the module whose parameters the
     optimizer holds) for ``steps`` optimizer steps of ``accumulation`` micro-batches. After
-    each backward ``observe(synced)`` says what it left (hook calls, gradients); after each
+    each backward ``observe(synced)`` says what it left (hook calls, gradients); each synced
+    backward runs inside ``synced_backward()`` (what watches its collectives); after each
     step ``full_parameters()`` gives every parameter whole, on the CPU."""
     scheduler = spec.scheduler(optimizer)
     scaler = spec.grad_scaler(device)
@@ -62,7 +65,8 @@ def train(rank: int, world: int, spec: Workload, model: torch.nn.Module, wrapped
             x, y = local_batch(spec, index, rank, world, device)
             with contextlib.nullcontext() if synced else no_sync():
                 loss = spec.compute_loss(wrapped, x, y, (index, rank)) / accumulation
-                (loss if scaler is None else scaler.scale(loss)).backward()
+                with synced_backward() if synced else contextlib.nullcontext():
+                    (loss if scaler is None else scaler.scale(loss)).backward()
             after_backward.append(observe(synced))
         if spec.clip_grad_norm is not None:
             if scaler is not None:
