@@ -62,11 +62,12 @@ def _digest(t: torch.Tensor) -> str:
     return hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]
 
 
-def _generator(func: Any, args: tuple, kwargs: dict, out: Any) -> torch.Generator:
+def _generator(args: tuple, kwargs: dict) -> torch.Generator:
+    """The generator an op draws from: the one passed, else its device's default."""
     if kwargs.get("generator") is not None:
         return kwargs["generator"]
-    device = next((t.device for t in tree_leaves((out, args)) if torch.is_tensor(t)),
-                  torch.device("cpu"))
+    device = next((t.device for t in tree_leaves(args) if torch.is_tensor(t)),
+                  torch.device(kwargs.get("device") or "cpu"))
     if device.type == "cuda":
         return torch.cuda.default_generators[device.index or 0]
     return torch.default_generator
@@ -91,11 +92,12 @@ class Session(TorchDispatchMode):
         if torch.Tag.nondeterministic_seeded not in func.tags:
             return func(*args, **kwargs)
         name = func._schema.name
-        if "dropout_p" in (f := {a.name: a for a in func._schema.arguments}) and not (
-                kwargs.get("dropout_p", args[list(f).index("dropout_p")]
-                           if list(f).index("dropout_p") < len(args) else 0.0)):
-            return func(*args, **kwargs)  # an attention kernel at dropout_p=0 draws nothing
-        gen = _generator(func, args, kwargs, None)
+        arguments = [a.name for a in func._schema.arguments]
+        if "dropout_p" in arguments:  # an attention kernel: at dropout_p=0 it draws nothing
+            at = arguments.index("dropout_p")
+            if not kwargs.get("dropout_p", args[at] if at < len(args) else 0.0):
+                return func(*args, **kwargs)
+        gen = _generator(args, kwargs)
         before = gen.get_state()
         out = func(*args, **kwargs)  # the draw this release makes
         if any(type(t) not in (torch.Tensor, torch.nn.Parameter) or t.is_meta
