@@ -323,7 +323,7 @@ TRANSFORM_ROW = Row(
 
 DRAWS_ROW = Row(
     "draws", "draws", "every random op of the workload's builds, batches and forwards, "
-    "recorded with the baseline (<baseline>.draws.pt) and replayed on the gate, in this "
+    "recorded with the baseline (<baseline>.replay.pt) and replayed on the gate, in this "
     "process and on the ranks",
     checks=("the draws made now have the recorded draws' distribution",
             "they depend on the generator's state as the recorded ones do"))

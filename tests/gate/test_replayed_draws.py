@@ -1,5 +1,5 @@
 """A workload's random draws through the gate (``hookbench.gate.workload_checks.measure``, a
-baseline's ``<name>.draws.pt``): recorded with the baseline, replayed on the gate, in this
+baseline's ``<name>.replay.pt``): recorded with the baseline, replayed on the gate, in this
 process and on the ranks. A torch that only draws other numbers gates clean, every row saying
 so; a broken dropout fails the workload's ``draws`` row, naming the op, where every other row
 holds on the replayed draws."""
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    path = tmp_path_factory.mktemp("draws") / "baseline.draws.pt"
+    path = tmp_path_factory.mktemp("draws") / "baseline.replay.pt"
     base = gate.measure_all(("workloads",), workloads=[WORKLOAD], recording=True, replay=path)
     assert path.is_file() and base["workloads"]["drop/draws"]["draws"] > 0
     return base, path
