@@ -13,6 +13,9 @@ would run it, one row per architecture, each stage a subprocess, timed:
     python examples/sweep/run.py --only bert,dlrm           # some
     python examples/sweep/run.py --stages record            # only record, for each
     python examples/sweep/run.py --json r.json --merge      # add to the results in r.json
+    python examples/sweep/run.py --stages record --baselines DIR   # keep the baselines in DIR
+    python examples/sweep/run.py --stages gate --baselines DIR     # gate those (another torch,
+                                                            # another hookbench)
     python examples/sweep/run.py --json r.json --out docs/sweep.md --table-only
     python examples/sweep/run.py --check-only               # Workload.check on each (seconds)
 
@@ -25,6 +28,7 @@ killed with its whole process group (its spawned ranks) when it runs out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -195,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="every stage's result")
     parser.add_argument("--merge", action="store_true",
                         help="start from the results already in --json (the table shows both)")
+    parser.add_argument("--baselines", type=Path,
+                        help="keep the baselines (and gate outputs) in this folder; without "
+                             "record among --stages, gate the baselines already in it")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per command")
     parser.add_argument("--table-only", action="store_true",
                         help="run nothing: write --out from the results in --json")
@@ -213,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     stages = tuple(args.stages.split(","))
     if set(stages) - {s for s, _, _ in STAGES}:
         parser.error(f"--stages: choose from {[s for s, _, _ in STAGES]}")
-    if "record" not in stages:
-        parser.error("--stages: record is needed (the gate runs against its baseline)")
+    if "record" not in stages and not args.baselines:
+        parser.error("--stages: record is needed (the gate runs against its baseline), or "
+                     "--baselines with the baselines recorded before")
     by_name = {w.name: w for w in ARCHITECTURES}
     chosen = [by_name[n] for n in dict.fromkeys(names)]  # in the order given
     if args.check_only:
@@ -245,7 +253,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge and args.json and args.json.exists():
         results = json.loads(args.json.read_text())
     this_run = {}
-    with tempfile.TemporaryDirectory(prefix="sweep-") as folder:
+    if "record" not in stages:
+        missing = [w.name for w in chosen if not (args.baselines / f"{w.name}.json").exists()]
+        if missing:
+            parser.error(f"--baselines {args.baselines}: no baseline for {', '.join(missing)}")
+    if args.baselines:
+        args.baselines.mkdir(parents=True, exist_ok=True)
+    with (contextlib.nullcontext(str(args.baselines)) if args.baselines
+          else tempfile.TemporaryDirectory(prefix="sweep-")) as folder:
         for w in chosen:
             print(f"{w.name} ...", flush=True)
             this_run[w.name] = results[w.name] = run(w.name, NAME[w.name], Path(folder),

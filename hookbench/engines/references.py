@@ -185,8 +185,16 @@ def arithmetic_differs(workload: Workload, world: int) -> list[str]:
     """Why a sharded run cannot match DDP bit for bit on ``workload``, in words ([] where it
     must). Two ranks' gradients sum to the same fp32 value in any order (a + b = b + a); from
     three on, a reduce or reduce-scatter and DDP's all-reduce add them in other orders (seen:
-    5.99e-07 on GPT-2's embedding after one step on 4 gloo ranks under torchrun)."""
+    5.99e-07 on GPT-2's embedding after one step on 4 gloo ranks under torchrun). Parameters
+    kept in bf16 or fp16 are stepped in other pieces than DDP's whole tensors, and torch's CPU
+    kernels round a low-precision element by where it falls in the tensor (the vectorised body
+    or the scalar tail: on 2.14.1, ``p.add_(g, alpha=-0.1)`` on 200 bf16 elements differs by an
+    ulp at element 33 when the tensor is cut at 37; an SGD for-loop step in pure bf16 then
+    lands 1.2e-4, an ulp, from DDP's)."""
     return [why for cond, why in (
+        (workload.pure is not None,
+         f"{str(workload.pure).removeprefix('torch.')} parameters are stepped in other "
+         f"pieces, which CPU kernels round by place"),
         (workload.clip_grad_norm is not None, "the clipping norm is summed shard by shard"),
         (workload.compile is not None, "the model is compiled"),
         (world > 2, f"{world} ranks' gradients are summed in another order than DDP's"))

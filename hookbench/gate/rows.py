@@ -170,7 +170,8 @@ _SHARES = ("one process sums loss / N per share where data parallelism sums the 
 _DDP = Reference("DDP on the same shares", True,
                  "the same fp32 sums on 2 gloo ranks; not bit for bit where the arithmetic "
                  "differs by design (a clipping norm summed shard by shard, a compiled model, "
-                 "more than 2 ranks): then within the bound")
+                 "low-precision parameters stepped in other pieces, more than 2 ranks): then "
+                 "within the bound")
 _SINGLE_WHY = (f"{_SHARES}; within the bound, or the measured noise floor where DDP itself "
                f"is further")
 
