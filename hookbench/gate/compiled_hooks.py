@@ -46,6 +46,7 @@ BACKENDS = ("eager", "inductor")
 SPEC = TinySpec(depth=2, width=8)
 ROOT = "<root>"  # the model itself in observations (its name in named_modules() is "")
 WRAPPER = "<OptimizedModule>"  # torch.compile's wrapper, seen only by global hooks
+WARNED = "warned about global hooks"  # global_hooks' key for torch's warning (#152740)
 _STEPS = 3  # optimizer steps in the parity check
 
 Observation = Any  # str, or dicts/lists of str, int and bool: JSON-able and comparable
@@ -119,7 +120,7 @@ def global_hooks(backend: str | None) -> Observation:
         for i in range(2):
             fwd(SPEC.batch(i)[0])
     warned = any("global hooks" in str(w.message) for w in caught)
-    return {**dict(sorted(counts.items())), "warned about global hooks": warned}
+    return {**dict(sorted(counts.items())), WARNED: warned}
 
 
 def prepend_pre_hook(backend: str | None) -> Observation:
@@ -460,23 +461,66 @@ def measure(run: Run) -> dict[str, str | None]:
     return run_all()
 
 
+_ITEM = re.compile(r"(?P<key>.+?): compiled .*, eager .*")
+
+
+def differences(outcome: str | None) -> dict[str, str]:
+    """An outcome (``_describe``'s words, or None: equal to eager) as its differences from
+    eager, by what differs (``"fwd 0"``: ``"fwd 0: compiled absent, eager 2"``); an outcome
+    that is not such a list (a raise) is one difference, keyed by itself."""
+    if outcome is None:
+        return {}
+    parts = outcome.split("; ")
+    matched = [_ITEM.fullmatch(part) for part in parts]
+    if not all(matched):
+        return {outcome: outcome}
+    return {m["key"]: part for m, part in zip(matched, parts)}
+
+
+def _compared(recorded: str, outcome: str | None) -> tuple[bool, str]:
+    """Another difference from eager than the recorded one, judged difference by difference:
+    a recorded difference gone is a fix; a difference new or changed (a hook that fires
+    otherwise than it did) is a failure, except torch's warning about global hooks, which
+    changes no hook's calls (the warnings section gates warnings)."""
+    was, now = differences(recorded), differences(outcome)
+    gone = [k for k in was if k not in now]
+    new = [now[k] for k in now if k not in was]
+    changed = [f"{now[k]} (recorded: {was[k][len(k) + 2:]})" for k in now
+               if k in was and now[k] != was[k]]
+    warned = [d for d in (*new, *changed) if d.startswith(WARNED)]
+    harm = [d for d in (*new, *changed) if d not in warned]
+    still = [now[k] for k in now if was.get(k) == now[k]]
+    words = "; ".join(
+        f"{label}: {' | '.join(items)}" for label, items in (
+            ("new", [d for d in new if d not in warned]),
+            ("changed", [d for d in changed if d not in warned]),
+            ("gone, as in eager", gone), ("now warned", warned), ("as recorded", still))
+        if items)
+    if harm:
+        return False, f"CHANGED: {words} (re-record only if intended)"
+    return True, (f"FIXED in part since the baseline: {len(gone)} of {len(was)} recorded "
+                  f"differences from eager gone; {words}")
+
+
 def judge(base: dict, now: dict, run: Run) -> Section:
     section = Section("Hooks and mechanisms under torch.compile against eager, as recorded",
                       ("backend/check", "recorded", "verdict"))
     for key, outcome in now.items():
         recorded = base.get(key, "not recorded")
         explained = EXPLAINED.get(key)
-        # toward eager is a fix: a recorded difference gone passes, and says so
-        fixed = outcome is None and recorded not in (None, "not recorded")
         if outcome == recorded:
-            verdict = "equal to eager" if outcome is None else (
+            ok, verdict = True, "equal to eager" if outcome is None else (
                 f"pinned difference: {outcome}" + (f" ({explained})" if explained else ""))
-        elif fixed:
-            verdict = (f"FIXED since the baseline: equal to eager now (recorded: {recorded}); "
-                       f"record again to hold it")
+        elif recorded == "not recorded":
+            ok, verdict = False, (f"CHANGED: {'equal to eager' if outcome is None else outcome} "
+                                  f"(re-record only if intended)")
+        elif outcome is None:  # toward eager is a fix: a recorded difference gone passes
+            ok, verdict = True, (f"FIXED since the baseline: equal to eager now (recorded: "
+                                 f"{recorded}); record again to hold it")
+        elif recorded is None:
+            ok, verdict = False, f"CHANGED: {outcome} (re-record only if intended)"
         else:
-            verdict = (f"CHANGED: {'equal to eager' if outcome is None else outcome} "
-                       f"(re-record only if intended)")
+            ok, verdict = _compared(recorded, outcome)
         shown = {None: "equal", "not recorded": "not recorded"}.get(recorded, "differs")
-        section.add(outcome == recorded or fixed, key, shown, verdict)
+        section.add(ok, key, shown, verdict)
     return section

@@ -617,3 +617,30 @@ def test_a_change_toward_the_contract_is_a_fix_and_away_from_it_a_failure():
     broken = compiled_hooks.judge({"inductor/x": None}, {"inductor/x": "differs: 2 calls"}, Run())
     assert fixed.ok and fixed.rows[0][0][-1].startswith("FIXED since the baseline: equal to eager")
     assert not broken.ok
+
+
+def test_another_difference_from_eager_is_judged_difference_by_difference():
+    # recorded on 2.4.1, gated on 2.9.1 (docs/releases.md): per-module hooks that did not fire
+    # under compile now do (gone: a fix), torch now warns about global hooks (a warning, not
+    # a hook's calls), and a hook added after compiling stopped firing (changed: a failure)
+    from hookbench.gate import compiled_hooks
+
+    def judged(recorded: str, now: str) -> tuple[bool, str]:
+        (cells, ok), = compiled_hooks.judge({"eager/x": recorded}, {"eager/x": now}, Run()).rows
+        return bool(ok), cells[-1]
+
+    wrapper = "fwd <OptimizedModule>: compiled 2, eager absent"
+    recorded = f"fwd 0: compiled absent, eager 2; {wrapper}"
+    ok, words = judged(recorded, wrapper)
+    assert ok and words.startswith("FIXED in part since the baseline: 1 of 2 recorded "
+                                   "differences from eager gone; gone, as in eager: fwd 0"), words
+    ok, words = judged(recorded, f"{compiled_hooks.WARNED}: compiled True, eager False; {wrapper}")
+    assert ok and f"now warned: {compiled_hooks.WARNED}" in words, words
+    ok, words = judged(recorded, f"fwd 0: compiled 1, eager 2; {wrapper}")
+    assert not ok and ("changed: fwd 0: compiled 1, eager 2 (recorded: compiled absent, "
+                       "eager 2)") in words, words
+    ok, words = judged(wrapper, f"{wrapper}; backward 1: compiled 'b a', eager 'a b'")
+    assert not ok and "new: backward 1: compiled 'b a', eager 'a b'" in words, words
+    ok, words = judged(wrapper, "raised RuntimeError: gone wrong")  # not a list: all changed
+    assert not ok and "new: raised RuntimeError: gone wrong" in words, words
+    assert compiled_hooks.differences(None) == {}
