@@ -44,7 +44,7 @@ from hookbench.gate.memory import amount, memory_verdict
 from hookbench.engines import fsdp2, references, verdicts
 from hookbench.engines.loop import ACCUMULATION, Refused
 from hookbench.engines.memory import rank_peak
-from hookbench.measure.bounds import (STEP_TEMPORARIES, YARDSTICK_HEADROOM, data_parallel_bound,
+from hookbench.measure.bounds import (KERNEL_ROUNDING_ULPS, STEP_TEMPORARIES, YARDSTICK_HEADROOM, data_parallel_bound,
                                       trajectory_bound)
 from hookbench.measure.memory import MemoryResult, measure_or_fall_back
 from hookbench.measure.parity import (AGAINST_FORLOOP, Tolerance, accepts, compare,
@@ -346,7 +346,7 @@ def capture(workload: Workload) -> dict[str, dict[str, Any]]:
                             cap and len({(r.name, r.call) for r in cap.records}), left))
         (plain, plain_grads, _, _), (loss, grads, records, left) = results
         problems = []
-        if _differs((loss, grads), (plain, plain_grads)):
+        if _differs((loss, grads), (plain, plain_grads))[0]:
             problems.append("the captured step's loss or gradients differ from the plain step's")
         if records != calls[1]:
             problems.append(f"{records} calls recorded of {calls[1]} submodule calls")
@@ -357,31 +357,44 @@ def capture(workload: Workload) -> dict[str, dict[str, Any]]:
     return {f"{workload.name}/capture": _row(run)}
 
 
-def _differs(step: tuple[torch.Tensor, dict[str, torch.Tensor | None]],
-             plain: tuple[torch.Tensor, dict[str, torch.Tensor | None]]) -> str | None:
-    """What of one step (its loss, each parameter's gradient) is not bit for bit the plain
-    step's: "the loss", or the first gradient that differs, with how far; None if nothing."""
+Step = tuple[torch.Tensor, dict[str, "torch.Tensor | None"]]  # a step's loss and gradients
+
+
+def _differs(step: Step, plain: Step, ulps: float = 0) -> tuple[str | None, str | None]:
+    """What of one step (its loss, each parameter's gradient) is further from the plain
+    step's than ``ulps`` (of its dtype's eps) x its own largest magnitude: "the loss", or the
+    first gradient, with how far (None: nothing); and, where everything is within that but
+    not bit for bit, the furthest, in words (None: bit for bit)."""
     (loss, grads), (plain_loss, plain_grads) = step, plain
-    if not torch.equal(loss, plain_loss):
-        return f"the loss ({float(loss):.9g}, plain {float(plain_loss):.9g})"
-    for name, g in grads.items():
-        other = plain_grads[name]
-        if (g is None) != (other is None):
+    furthest: tuple[float, str] | None = None
+    for name, a, b in (("the loss", loss, plain_loss),
+                       *((f"{n}'s gradient", g, plain_grads[n]) for n, g in grads.items())):
+        if (a is None) != (b is None):
             has = lambda t: "none" if t is None else "one"  # noqa: E731
-            return f"{name}'s gradient ({has(g)} where the plain step has {has(other)})"
-        if g is not None and not torch.equal(_dense(g), _dense(other)):
-            diff = (_dense(g).double() - _dense(other).double()).abs().nan_to_num(float("inf"))
-            return f"{name}'s gradient (max |diff| {float(diff.max()):.3g})"
-    return None
+            return f"{name} ({has(a)} where the plain step has {has(b)})", None
+        if a is None or torch.equal(_dense(a), _dense(b)):
+            continue
+        eps = torch.finfo(a.dtype).eps
+        a, b = _dense(a).double(), _dense(b).double()
+        diff = float((a - b).abs().nan_to_num(float("inf")).max())
+        scale = float(b.abs().max()) * eps
+        ratio = diff / scale if scale else math.inf
+        said = f"{name} (max |diff| {diff:.3g}, {ratio:.3g} ulp of its largest value)"
+        if ratio > ulps:
+            return said, None
+        furthest = max(furthest or (ratio, said), (ratio, said))
+    return None, furthest and furthest[1]
 
 
 def transform(workload: Workload) -> dict[str, dict[str, Any]]:
     """``name/transform``, for a workload that saves memory with a transform (its
     checkpointing, the model's own Hugging Face ``gradient_checkpointing_enable``, activation
     offload): one training step's loss and every gradient against the same step without the
-    transform, bit for bit. Checkpointing recomputes the forward on the random numbers it drew
-    (torch restores the RNG state) and offload hands back what it kept, so the same kernels
-    run on the same values; a transform that changes gradients (pytorch#193671: ``nn.RReLU``
+    transform, bit for bit, or within ``KERNEL_ROUNDING_ULPS`` of each tensor's largest value
+    where this CPU rounds the transformed step otherwise (AMD EPYC: 0.72 ulp on GPT-2), saying
+    so. Checkpointing recomputes the forward on the random numbers it drew (torch restores the
+    RNG state) and offload hands back what it kept, so the same kernels run on the same
+    values; a transform that changes gradients (pytorch#193671: ``nn.RReLU``
     under non-reentrant checkpointing, open) fails here, where every strategy, run under the
     same transform, would agree with every other. A compressed offload ("bf16", "int8") is
     lossy by design: its lossless form is held to the plain step. Compiled workloads are
@@ -410,13 +423,16 @@ def transform(workload: Workload) -> dict[str, dict[str, Any]]:
             loss = w.compute_loss(model, x, y, (0, 0))
             loss.backward()
             steps.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-        differ = _differs(*steps)
+        beyond, furthest = _differs(*steps, ulps=KERNEL_ROUNDING_ULPS)
         words = " and ".join(used) + (" (its lossless form: compression is lossy by design)"
                                       if lossy else "")
-        if differ:
-            return {"problems": [f"{words}: {differ} differs from the step without it"]}
-        return {"transform": f"{words}: the loss and {len(steps[0][1])} gradients bit-exact "
-                             f"with the step without it"}
+        if beyond:
+            return {"problems": [f"{words}: {beyond} differs from the step without it"]}
+        held = (f"bit-exact with the step without it" if furthest is None else
+                f"within {KERNEL_ROUNDING_ULPS:g} ulp of each one's largest value of the step "
+                f"without it, not bit for bit: furthest {furthest}; this CPU's kernels "
+                f"round the transformed step otherwise (seen on AMD EPYC)")
+        return {"transform": f"{words}: the loss and {len(steps[0][1])} gradients {held}"}
 
     return {f"{workload.name}/transform": _row(run)}
 
