@@ -27,18 +27,19 @@ refuse, before it changes anything, in those words; the engines that do not appl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from hookbench.core.workload import Workload
 from hookbench.engines import deepspeed, fsdp2, verdicts
 from hookbench.engines.loop import ACCUMULATION
+from hookbench.measure import bounds
 from hookbench.measure.parity import accepts
 from hookbench.mechanisms.zero2 import ELEMENTWISE
 
 __all__ = ["BATCHES", "DRAWS_ROW", "ENGINE_ROWS", "MEMORY_STRATEGIES", "PEER_ROWS", "ROWS",
-           "STEPS", "STRATEGIES", "STRATEGY_ROWS", "ZERO2_RANKS", "Reference", "Row",
+           "STEPS", "STRATEGIES", "STRATEGY_ROWS", "ZERO2_RANKS", "Reference", "Row", "bound",
            "engines_not_applicable", "not_applicable", "refusal", "row"]
 
 STEPS = 3
@@ -366,6 +367,14 @@ STRATEGIES = tuple(r.name for r in STRATEGY_ROWS if r.only_if is _always)
 MEMORY_STRATEGIES = ("foreach", "in_backward", "zero2")
 assert [r.name.removeprefix("engines/") for r in ENGINE_ROWS] == list(verdicts.ENGINES)
 assert [r.name.removeprefix("engines/") for r in PEER_ROWS] == list(verdicts.PEERS)
+
+
+def bound(name: str, workload: Workload, **context: Any) -> Any:
+    """Row ``name``'s bound on ``workload``: the rule its entry names, of
+    ``hookbench.measure.bounds`` (a function of the workload and ``context``, or a constant);
+    the runners hold each row to this, so that changing a row's bound is an edit of its entry."""
+    rule = getattr(bounds, ROWS[name].bound)
+    return rule(workload, **context) if callable(rule) else rule
 
 
 def row(key: str) -> Row:

@@ -44,8 +44,7 @@ from hookbench.gate.memory import amount, memory_verdict
 from hookbench.engines import fsdp2, references, verdicts
 from hookbench.engines.loop import ACCUMULATION, Refused
 from hookbench.engines.memory import rank_peak
-from hookbench.measure.bounds import (KERNEL_ROUNDING_ULPS, STEP_TEMPORARIES, YARDSTICK_HEADROOM, data_parallel_bound,
-                                      trajectory_bound)
+from hookbench.measure.bounds import STEP_TEMPORARIES, YARDSTICK_HEADROOM
 from hookbench.measure.memory import MemoryResult, measure_or_fall_back
 from hookbench.measure.parity import (AGAINST_FORLOOP, Tolerance, accepts, compare,
                                       refused_here, stepwise, trajectory,
@@ -125,7 +124,7 @@ def trajectories(workload: Workload) -> dict[str, dict[str, Any]]:
             runs[strategy] = trajectory(workload, cls, kwargs, strategy, steps=STEPS)
             # On another CPU the bits may change; then the final parameters must stay within
             # what two implementations of the step may differ by.
-            machine = trajectory_bound(workload, identical=False)
+            machine = rows.bound(strategy, workload, identical=False)
             row = {**fingerprint(runs[strategy], SAMPLE), "problems": [],
                    "tolerance": machine and {"rtol": machine.rtol, "atol": machine.atol}}
             if _reference(workload, strategy):
@@ -137,7 +136,7 @@ def trajectories(workload: Workload) -> dict[str, dict[str, Any]]:
                     return row
                 else:
                     result = compare(runs[strategy], runs[reference],
-                                     trajectory_bound(workload, identical))
+                                     rows.bound(strategy, workload, identical=identical))
                 row["parity"] = f"vs {reference}: {result.verdict()}"
                 if not result.ok:
                     row["problems"].append(row["parity"])
@@ -248,10 +247,10 @@ def _judged(w: Workload, results: dict[str, list[dict[str, Any]]],
     reference, said = measured
     if isinstance(reference, dict):  # measuring the references stopped: so does every row
         return {n: _with_warnings(reference, said) for n in results if n in rows.ROWS}
-    runs = Runs(w, results, reference or references.Measured([], None, ""),
-                data_parallel_bound(w), world)
+    measured_or_none = reference or references.Measured([], None, "")
 
     def row(entry: rows.Row) -> dict[str, Any]:
+        runs = Runs(w, results, measured_or_none, rows.bound(entry.name, w), world)
         got = judge_row(entry, runs)
         if "snapshots" in got:
             got = {**fingerprint(got.pop("snapshots"), SAMPLE), **got,
@@ -423,13 +422,14 @@ def transform(workload: Workload) -> dict[str, dict[str, Any]]:
             loss = w.compute_loss(model, x, y, (0, 0))
             loss.backward()
             steps.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
-        beyond, furthest = _differs(*steps, ulps=KERNEL_ROUNDING_ULPS)
+        ulps = rows.bound("transform", workload)
+        beyond, furthest = _differs(*steps, ulps=ulps)
         words = " and ".join(used) + (" (its lossless form: compression is lossy by design)"
                                       if lossy else "")
         if beyond:
             return {"problems": [f"{words}: {beyond} differs from the step without it"]}
-        held = (f"bit-exact with the step without it" if furthest is None else
-                f"within {KERNEL_ROUNDING_ULPS:g} ulp of each one's largest value of the step "
+        held = ("bit-exact with the step without it" if furthest is None else
+                f"within {ulps:g} ulp of each one's largest value of the step "
                 f"without it, not bit for bit: furthest {furthest}; this CPU's kernels "
                 f"round the transformed step otherwise (seen on AMD EPYC)")
         return {"transform": f"{words}: the loss and {len(steps[0][1])} gradients {held}"}

@@ -11,6 +11,7 @@ that changes gradients changes all of them alike: only this row can see it.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -132,6 +133,22 @@ def test_a_recomputation_is_held_within_kernel_rounding_saying_so_and_fails_beyo
         assert re.fullmatch(r"checkpointing='blocks': \S+'s gradient \(max \|diff\| \S+, \S+ "
                             r"ulp of its largest value\) differs from the step without it",
                             got["problems"][0]), got
+
+
+def test_the_rows_bound_is_the_one_its_entry_names(monkeypatch):
+    # issue 55: changing a row's bound is an edit of its entry in hookbench.gate.rows, and the
+    # runner holds the row to it: the transform row's entry pointed at a bound of 0 ulp fails
+    # the recomputation that kernel rounding passes
+    from hookbench.gate import rows
+    from hookbench.measure import bounds
+
+    monkeypatch.setattr(RecomputedOtherwise, "by", torch.finfo(torch.float32).eps)
+    monkeypatch.setattr(bounds, "NO_ROUNDING", 0, raising=False)
+    monkeypatch.setitem(rows.ROWS, "transform",
+                        dataclasses.replace(rows.ROWS["transform"], bound="NO_ROUNDING"))
+    got = row(DROPOUT.replace(name="otherwise", model=lambda: nn.Sequential(
+        block(RecomputedOtherwise), block(RecomputedOtherwise), nn.Linear(8, 3))))
+    assert "problems" in got, got
 
 
 def test_rrelu_ending_a_checkpointed_block_fails_the_row_on_this_torch():
