@@ -279,3 +279,7 @@ def _run(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError, TypeError, FileNotFoundError, ImportError) as e:
         say(f"hookbench {args.command}: error: {e}")
         return 2
+    except OSError as e:  # the file system failed us (a full disk, a file too large): one line
+        say(f"hookbench {args.command}: error: {e.filename or 'the file system'}: "
+            f"{e.strerror or e}")
+        return 1

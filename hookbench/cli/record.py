@@ -5,15 +5,47 @@ A row that fails on this torch is written as a known failure with its words, and
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 
 import torch
 
 from hookbench import gate
-from hookbench.cli import common, interrupts
+from hookbench.cli import common, interrupts, say
 from hookbench.gate import baselines, known_failures
 from hookbench.models.zoo import ZOO
+
+
+def land(data: dict, staging: Path, target: Path, checkpoints: bool) -> Path:
+    """``data`` as the baseline ``target``, with the checkpoint files (``checkpoints``) and the
+    replay file ``gate.record`` wrote into ``staging`` beside it, replacing the old ones: each
+    staged beside its place, then renamed there, the baseline last. An ``OSError`` while
+    staging (a full disk) leaves every old file as it was."""
+    folder, kept = baselines.checkpoint_folder(target), baselines.replay_file(target)
+    drawn = staging / gate.REPLAY
+    places = [*((folder / new.name, new) for new in sorted(staging.glob("*.pt"))
+                if checkpoints and new != drawn), *([(kept, drawn)] if drawn.is_file() else [])]
+    staged: list[tuple[Path, Path]] = []
+    try:
+        if checkpoints:
+            folder.mkdir(parents=True, exist_ok=True)
+        for place, new in places:
+            staged.append((baselines.stage_beside(place, new.read_bytes()), place))
+        staged.append((baselines.stage_beside(target, baselines.serialised(data)), target))
+    except BaseException:
+        for name, _ in staged:
+            name.unlink(missing_ok=True)
+        raise
+    # what the new baseline does not have goes: old checkpoint files, a replay file
+    gone = [*(old for old in folder.glob("*.pt") if checkpoints
+              and old.name not in {p.name for p, _ in places}),
+            *([kept] if kept.is_file() and not drawn.is_file() else [])]
+    for old in gone:
+        old.unlink()
+    for name, place in staged:
+        os.replace(name, place)
+    return target
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,23 +57,18 @@ def run(args: argparse.Namespace) -> int:
                  f"models {', '.join(models)}; a few minutes") + ") ...")
     with tempfile.TemporaryDirectory() as staging:  # files land only with a good baseline
         data = gate.record(models, sections, staging, workloads)
-        # The checkpoint files and the baseline land together or not at all: an interrupt
-        # waits for both (interrupts.deferred), and the baseline is renamed into place.
+        # The checkpoint files, the replay file and the baseline land together or not at all:
+        # an interrupt waits for them (interrupts.deferred); every file is staged beside its
+        # place first, so that a full disk fails before anything is replaced, then renamed
+        # into place, the baseline last.
         with interrupts.deferred():
-            if "checkpoints" in sections:
-                folder = baselines.checkpoint_folder(target)
-                folder.mkdir(parents=True, exist_ok=True)
-                for old in folder.glob("*.pt"):
-                    old.unlink()
-                for new in Path(staging).glob("*.pt"):
-                    (folder / new.name).write_bytes(new.read_bytes())
-            path = baselines.save(data, target)
-            # the workloads' draws and traces beside it (none recorded: an older file goes)
-            drawn, kept = Path(staging) / gate.REPLAY, baselines.replay_file(target)
-            if drawn.is_file():
-                kept.write_bytes(drawn.read_bytes())
-            elif kept.is_file():
-                kept.unlink()
+            try:
+                path = land(data, Path(staging), target, "checkpoints" in sections)
+            except OSError as e:
+                say(f"hookbench record: error: cannot write {e.filename or target}: "
+                           f"{e.strerror or e}; the baseline {target} and its files are "
+                           f"unchanged")
+                return 1
     known = known_failures.listed(data.get(known_failures.KEY, {}))
     drawn = baselines.replay_file(target)
     print(f"wrote {path}" + (f" and {drawn} ({drawn.stat().st_size:,} B)" if drawn.is_file()

@@ -42,8 +42,9 @@ import torch
 from hookbench.core import names
 from hookbench.measure.parity import Snapshot
 
-__all__ = ["DEFAULT", "SCHEMA", "checkpoint_folder", "environment", "fingerprint",
-           "final_parameters", "load", "migrate", "same_kernels", "save"]
+__all__ = ["DEFAULT", "SCHEMA", "checkpoint_folder", "environment", "fingerprint", "serialised",
+           "final_parameters", "load", "migrate", "same_kernels", "save", "stage_beside",
+           "write_atomically"]
 
 DEFAULT = Path(names.BASELINE)  # relative to the checkout, where hookbench is run
 # The baseline's format. 1: every baseline before it was numbered (no "schema" in
@@ -180,21 +181,38 @@ def load(path: str | Path = DEFAULT) -> dict[str, Any]:
 def save(data: dict[str, Any], path: str | Path = DEFAULT) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
+    write_atomically(path, serialised(data))
     return path
+
+
+def serialised(data: dict[str, Any]) -> str:
+    """A baseline as its file holds it."""
+    return json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+
+def stage_beside(path: Path, content: str | bytes) -> Path:
+    """``content`` in a new file beside ``path`` (the same file system, so that renaming it
+    over ``path`` takes no room), with the mode ``path`` has, else a new file's usual 0644 (not
+    mkstemp's 0600, which would keep a baseline from the rest of the team). A full disk fails
+    here, leaving nothing behind."""
+    handle, staged = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(handle, "wb" if isinstance(content, bytes) else "w",
+                       **({} if isinstance(content, bytes) else {"encoding": "utf-8"})) as f:
+            f.write(content)
+        os.chmod(staged, path.stat().st_mode & 0o777 if path.exists() else 0o644)
+    except BaseException:
+        os.unlink(staged)
+        raise
+    return Path(staged)
 
 
 def write_atomically(path: Path, text: str) -> None:
     """``text`` into ``path`` whole or not at all: staged beside it and renamed over it, so
     that a run stopped part-way (an interrupt, a full disk) leaves the file as it was."""
-    handle, staged = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    staged = stage_beside(path, text)
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as f:
-            f.write(text)
-        # not mkstemp's 0600, which would keep a baseline from the rest of the team: the mode
-        # the file had, or a new file's usual 0644
-        os.chmod(staged, path.stat().st_mode & 0o777 if path.exists() else 0o644)
         os.replace(staged, path)
     except BaseException:
-        os.unlink(staged)
+        staged.unlink(missing_ok=True)
         raise
