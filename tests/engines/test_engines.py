@@ -385,6 +385,12 @@ def test_where_fsdp2_cannot_train_on_cpu_ranks_its_rows_fail_saying_why_and_ddp_
     fsdp_engines = [e for e in verdicts.ENGINES if e.startswith("fsdp2")]
     memory = workload_checks.engine_memory(WORKLOAD)
     assert memory == {f"blocks/memory/{e}": {"error": why} for e in fsdp_engines}
+    # a row that refuses by design (the optimizer in backward under fp16) has none, here as on
+    # a torch whose FSDP2 trains: its designed outcome comes before this torch's error, so that
+    # a baseline of one torch and the gate of the other have the same rows
+    fp16 = WORKLOAD.replace(name="fp16", precision="fp16")
+    assert set(workload_checks.engine_memory(fp16)) == {"fp16/memory/fsdp2_zero2",
+                                                        "fp16/memory/fsdp2_zero3"}
     # the engines' ranks are CPU ranks where there is no CUDA (as made here)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert verdicts.cannot_run(verdicts.ENGINES) == dict.fromkeys(fsdp_engines, why)
