@@ -38,8 +38,8 @@ def land(data: dict, staging: Path, target: Path, checkpoints: bool) -> Path:
             name.unlink(missing_ok=True)
         raise
     # what the new baseline does not have goes: old checkpoint files, a replay file
-    gone = [*(old for old in folder.glob("*.pt") if checkpoints
-              and old.name not in {p.name for p, _ in places}),
+    landing = {place for place, _ in places}
+    gone = [*(old for old in folder.glob("*.pt") if checkpoints and old not in landing),
             *([kept] if kept.is_file() and not drawn.is_file() else [])]
     for old in gone:
         old.unlink()
@@ -66,8 +66,7 @@ def run(args: argparse.Namespace) -> int:
                 path = land(data, Path(staging), target, "checkpoints" in sections)
             except OSError as e:
                 say(f"hookbench record: error: cannot write {e.filename or target}: "
-                           f"{e.strerror or e}; the baseline {target} and its files are "
-                           f"unchanged")
+                    f"{e.strerror or e}; the baseline {target} and its files are unchanged")
                 return 1
     known = known_failures.listed(data.get(known_failures.KEY, {}))
     drawn = baselines.replay_file(target)

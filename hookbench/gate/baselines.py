@@ -42,8 +42,8 @@ import torch
 from hookbench.core import names
 from hookbench.measure.parity import Snapshot
 
-__all__ = ["DEFAULT", "SCHEMA", "checkpoint_folder", "environment", "fingerprint", "serialised",
-           "final_parameters", "load", "migrate", "same_kernels", "save", "stage_beside",
+__all__ = ["DEFAULT", "SCHEMA", "checkpoint_folder", "environment", "fingerprint",
+           "final_parameters", "load", "migrate", "same_kernels", "serialised", "stage_beside",
            "write_atomically"]
 
 DEFAULT = Path(names.BASELINE)  # relative to the checkout, where hookbench is run
@@ -176,13 +176,6 @@ def load(path: str | Path = DEFAULT) -> dict[str, Any]:
         raise ValueError(f"{path}: sections {wrong} are not tables; the file is damaged or "
                          f"from another tool")
     return migrate(data, path)
-
-
-def save(data: dict[str, Any], path: str | Path = DEFAULT) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(path, serialised(data))
-    return path
 
 
 def serialised(data: dict[str, Any]) -> str:

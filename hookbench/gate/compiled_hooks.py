@@ -484,19 +484,17 @@ def _compared(recorded: str, outcome: str | None) -> tuple[bool, str]:
     changes no hook's calls (the warnings section gates warnings)."""
     was, now = differences(recorded), differences(outcome)
     gone = [k for k in was if k not in now]
-    new = [now[k] for k in now if k not in was]
-    changed = [f"{now[k]} (recorded: {was[k][len(k) + 2:]})" for k in now
-               if k in was and now[k] != was[k]]
-    warned = [d for d in (*new, *changed) if d.startswith(WARNED)]
-    harm = [d for d in (*new, *changed) if d not in warned]
     still = [now[k] for k in now if was.get(k) == now[k]]
+    new = [now[k] for k in now if k not in was and k != WARNED]
+    changed = [f"{now[k]} (recorded: {was[k][len(k) + 2:]})" for k in now
+               if k in was and now[k] != was[k] and k != WARNED]
+    warned = [now[WARNED]] if WARNED in now and now[WARNED] != was.get(WARNED) else []
     words = "; ".join(
         f"{label}: {' | '.join(items)}" for label, items in (
-            ("new", [d for d in new if d not in warned]),
-            ("changed", [d for d in changed if d not in warned]),
-            ("gone, as in eager", gone), ("now warned", warned), ("as recorded", still))
+            ("new", new), ("changed", changed), ("gone, as in eager", gone),
+            ("now warned", warned), ("as recorded", still))
         if items)
-    if harm:
+    if new or changed:
         return False, f"CHANGED: {words} (re-record only if intended)"
     return True, (f"FIXED in part since the baseline: {len(gone)} of {len(was)} recorded "
                   f"differences from eager gone; {words}")
@@ -511,14 +509,12 @@ def judge(base: dict, now: dict, run: Run) -> Section:
         if outcome == recorded:
             ok, verdict = True, "equal to eager" if outcome is None else (
                 f"pinned difference: {outcome}" + (f" ({explained})" if explained else ""))
-        elif recorded == "not recorded":
+        elif recorded in (None, "not recorded"):
             ok, verdict = False, (f"CHANGED: {'equal to eager' if outcome is None else outcome} "
                                   f"(re-record only if intended)")
         elif outcome is None:  # toward eager is a fix: a recorded difference gone passes
             ok, verdict = True, (f"FIXED since the baseline: equal to eager now (recorded: "
                                  f"{recorded}); record again to hold it")
-        elif recorded is None:
-            ok, verdict = False, f"CHANGED: {outcome} (re-record only if intended)"
         else:
             ok, verdict = _compared(recorded, outcome)
         shown = {None: "equal", "not recorded": "not recorded"}.get(recorded, "differs")

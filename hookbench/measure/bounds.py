@@ -28,8 +28,8 @@ import torch
 from hookbench.core.workload import Workload
 
 __all__ = ["AUTOCAST", "CUDA_SLACK", "DATA_PARALLEL", "FLOOR_FACTOR", "IMPLEMENTATIONS",
-           "KERNEL_ROUNDING_ULPS", "MEMORY_SLACK", "STATES_AGREEMENT", "STEP_TEMPORARIES", "YARDSTICK_HEADROOM",
-           "Tolerance", "data_parallel_bound", "pure_data_parallel", "tolerance",
+           "KERNEL_ROUNDING_ULPS", "MEMORY_SLACK", "STATES_AGREEMENT", "STEP_TEMPORARIES",
+           "YARDSTICK_HEADROOM", "Tolerance", "data_parallel_bound", "pure_data_parallel", "tolerance",
            "trajectory_bound"]
 
 
