@@ -9,8 +9,11 @@ shape and dtype of what it makes, and the values of the tensors it reads (a prob
 sign pattern). That key is the same on every release that seeds alike (``manual_seed``: the
 Mersenne Twister's state from a seed has not changed), whatever the release then draws.
 Replaying a draw hands back the recorded values and leaves the generator in the state the
-recorded release left it in, so the draws after it keep their recorded keys; a checkpointed
-block's recomputation restores the state its forward saw, and so finds the same draws.
+recorded release left it in, so the draws after it keep their recorded keys. A checkpointed
+block's recomputation in backward (``torch.utils.checkpoint``, the workload's own or one the
+model turns on itself, like Hugging Face's ``gradient_checkpointing_enable()``) restores the
+state its forward saw, and is pinned as that forward was: it finds the same draws, where
+drawing anew would give it this release's mask while its forward had the recorded one.
 
 What is not replayed is named, never silently drawn anew: an op whose values are not all
 draws (``native_dropout``, a fused attention kernel that draws inside it), a draw the baseline
@@ -23,7 +26,6 @@ seed fails), each naming the op.
     recording()          a session recording every draw made inside ``pinned``
     replaying(draws)     a session handing the recorded ``draws`` back
     pinned(name, ...)    the context a Workload opens around its build, batch and forward
-    within(fn)           ``fn`` under the same pinning (a checkpointed block's recomputation)
     suspended()          nothing pinned inside (a memory measurement)
     ENV                  the variable naming a draws file a spawned rank replays
 """
@@ -31,19 +33,18 @@ seed fails), each naming the op.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import math
 import os
 from collections import defaultdict
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["ENV", "Session", "active", "load", "pinned", "recording", "replaying", "save",
-           "suspended", "within"]
+           "suspended"]
 
 ENV = "HOOKBENCH_DRAWS"
 # Ops every value of whose output is a draw (given the arguments in the key): replayed by
@@ -82,6 +83,7 @@ class Session(TorchDispatchMode):
         self.replaying = draws is not None
         self.draws: dict[str, dict[str, Any]] = {} if draws is None else draws
         self.name = ""  # the workload whose draws are being made
+        self.last = ""  # the workload whose eager forward ran last: what backward recomputes
         self.seen: dict[str, dict[str, Any]] = defaultdict(lambda: {
             "draws": 0, "differ": 0, "not_recorded": {}, "not_replayable": {},
             "stats": defaultdict(lambda: [0, 0.0, 0.0, 0, 0.0, 0.0]), "by_key": {},
@@ -186,16 +188,39 @@ def active() -> Session | None:
     spawned rank of a gate that replays)."""
     if not _ACTIVE and os.environ.get(ENV):
         _ACTIVE.append(Session(load(os.environ[ENV])["draws"]))
+        torch.random.fork_rng = _fork_rng  # for the rank's life
     return _ACTIVE[-1] if _ACTIVE else None
+
+
+_TORCH_FORK_RNG = torch.random.fork_rng
+
+
+@contextlib.contextmanager
+def _fork_rng(*args: Any, **kwargs: Any) -> Iterator[Any]:
+    """torch's ``fork_rng``, which ``torch.utils.checkpoint`` opens around a recomputation
+    in backward (reentrant or not, on every release since 2.4), with what runs inside it
+    pinned as the forward it recomputes was. Nothing else changes: outside a backward, in a
+    pinned context already, or without a session, it is torch's alone."""
+    with _TORCH_FORK_RNG(*args, **kwargs) as got:
+        session = active()
+        if (session is None or session.name or not session.last
+                or torch._C._current_graph_task_id() == -1):
+            yield got
+            return
+        with pinned(session.last):
+            yield got
 
 
 @contextlib.contextmanager
 def _session(session: Session) -> Iterator[Session]:
     _ACTIVE.append(session)
+    torch.random.fork_rng = _fork_rng
     try:
         yield session
     finally:
         _ACTIVE.remove(session)
+        if not any(_ACTIVE):
+            torch.random.fork_rng = _TORCH_FORK_RNG
 
 
 def recording() -> contextlib.AbstractContextManager[Session]:
@@ -231,22 +256,12 @@ def pinned(name: str, compiled: bool = False) -> Iterator[None]:
         seen["the compiled forward"] = seen.get("the compiled forward", 0) + 1
         yield
         return
-    session.name = name
+    session.name = session.last = name
     try:
         with session:
             yield
     finally:
         session.name = ""
-
-
-def within(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run under ``pinned(name)``: a checkpointed block's forward, which backward runs
-    again outside the forward's context."""
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with pinned(name):
-            return fn(*args, **kwargs)
-    return run
 
 
 def save(path: str | os.PathLike, draws: dict[str, dict[str, Any]], **beside: Any) -> None:

@@ -253,10 +253,10 @@ class Workload:
                                  f"{type(model).__name__}")
             for block in blocks:
                 # An instance attribute: Module.__call__ (and its hooks) run as before, only
-                # the block's own forward is recomputed in backward.
-                # Its recomputation in backward draws under the same pinning as its forward.
+                # the block's own forward is recomputed in backward (its draws pinned as
+                # its forward's were: ``hookbench.core.draws``).
                 block.forward = functools.partial(torch.utils.checkpoint.checkpoint,
-                                                  draws.within(self.name, block.forward),
+                                                  block.forward,
                                                   use_reentrant=self.use_reentrant)
         if self.pure is not None:
             model.to(self.pure)  # parameters and buffers: the optimizer state follows them

@@ -4,6 +4,7 @@ random op is still caught, naming the op; what cannot be replayed is named."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -45,9 +46,27 @@ def batch(g: torch.Generator):
     return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
 
 
+class SelfCheckpointed(Net):
+    """A model that checkpoints its own block, as Hugging Face's
+    ``gradient_checkpointing_enable()`` does: the recomputation in backward runs outside
+    every context the workload opens around its forward."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        # the input requires grad: a reentrant checkpoint passes no gradient otherwise
+        hidden = torch.utils.checkpoint.checkpoint(lambda h: self.drop(F.relu(h)), self.a(x),
+                                                   use_reentrant=self.reentrant)
+        return self.b(hidden)
+
+
 WORKLOAD = Workload(name="drop", model=Net, batch=batch, loss=F.cross_entropy,
                     optimizer=(torch.optim.SGD, {"lr": 0.1}))
 CHECKPOINTED = WORKLOAD.replace(name="drop-ckpt", checkpointing=nn.Dropout)
+SELF_CHECKPOINTED = [WORKLOAD.replace(name=f"drop-self-ckpt-{r}", model=functools.partial(
+    SelfCheckpointed, r)) for r in (False, True)]
 
 
 def step(w: Workload) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -64,7 +83,9 @@ def same(a, b) -> bool:
     return torch.equal(a[0], b[0]) and all(map(torch.equal, a[1], b[1]))
 
 
-@pytest.mark.parametrize("w", [WORKLOAD, CHECKPOINTED], ids=["plain", "checkpointed"])
+@pytest.mark.parametrize("w", [WORKLOAD, CHECKPOINTED, *SELF_CHECKPOINTED],
+                         ids=["plain", "checkpointed", "model-checkpoints-itself",
+                              "model-checkpoints-itself-reentrant"])
 def test_replayed_draws_give_the_recorded_step_on_a_torch_that_draws_other_numbers(w):
     with draws.recording() as recorded:
         expected = step(w)
