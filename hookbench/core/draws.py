@@ -27,6 +27,7 @@ seed fails), each naming the op.
     replaying(draws)     a session handing the recorded ``draws`` back
     pinned(name, ...)    the context a Workload opens around its build, batch and forward
     suspended()          nothing pinned inside (a memory measurement)
+    resumed()            pinned again inside ``suspended`` (a probe of what a row applies to)
     ENV                  the variable naming a draws file a spawned rank replays
 """
 
@@ -43,8 +44,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["ENV", "Session", "active", "load", "pinned", "recording", "replaying", "save",
-           "suspended"]
+__all__ = ["ENV", "Session", "active", "load", "pinned", "recording", "replaying", "resumed",
+           "save", "suspended"]
 
 ENV = "HOOKBENCH_DRAWS"
 # Ops every value of whose output is a draw (given the arguments in the key): replayed by
@@ -218,7 +219,8 @@ def _session(session: Session) -> Iterator[Session]:
     try:
         yield session
     finally:
-        _ACTIVE.remove(session)
+        assert _ACTIVE[-1] is session, "sessions are opened and closed in order"
+        _ACTIVE.pop()
         if not any(_ACTIVE):
             torch.random.fork_rng = _TORCH_FORK_RNG
 
@@ -241,6 +243,19 @@ def suspended() -> Iterator[None]:
         yield
     finally:
         _ACTIVE.pop()
+
+
+@contextlib.contextmanager
+def resumed() -> Iterator[None]:
+    """The session ``suspended`` set aside, again: a probe deciding whether a row applies
+    (which layers a LayerDrop forward skips on each rank) must draw as the rows' steps do, not
+    as this release draws, also when it runs inside a memory measurement."""
+    session = next((s for s in reversed(_ACTIVE) if s is not None), None)
+    if session is None or _ACTIVE[-1] is session:
+        yield
+        return
+    with _session(session):
+        yield
 
 
 @contextlib.contextmanager

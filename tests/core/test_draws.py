@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from hookbench import Workload
 from hookbench.core import draws
+from hookbench.engines import verdicts
 from hookbench.measure.faults import inject
 
 
@@ -183,3 +184,32 @@ def test_dropout_masks_depend_on_the_seed():
         torch.manual_seed(seed)
         masks.append(F.dropout(torch.ones(256), 0.5, training=True))
     assert not torch.equal(*masks)
+
+
+class LayerDrop(nn.Module):
+    """Each layer skipped at random in training (LayerDrop, Fan et al. 2019)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            if not self.training or torch.rand(()) > 0.3:
+                x = F.relu(layer(x))
+        return self.head(x)
+
+
+def test_a_probe_of_what_a_row_applies_to_draws_as_recorded_inside_a_memory_measurement():
+    """Which layers each rank skips decides whether FSDP2 applies; the memory rows ask inside
+    ``suspended``. On a release that draws otherwise, the probe must still see the recorded
+    draws, or a row turns 'does not apply' (opt's LayerDrop on 2.9.1 against 2.6.0)."""
+    w = WORKLOAD.replace(name="layerdrop", model=LayerDrop)
+    with draws.recording() as recorded:
+        expected = verdicts.not_applicable(w, 3, 2, ("fsdp2_zero2",))
+    assert "the forward skips layers at random" in expected["fsdp2_zero2"]
+    with OtherStreams():
+        assert verdicts.not_applicable(w, 3, 2, ("fsdp2_zero2",)) != expected  # can fail
+        with draws.replaying(recorded.draws), draws.suspended():
+            assert verdicts.not_applicable(w, 3, 2, ("fsdp2_zero2",)) == expected
