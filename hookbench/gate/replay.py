@@ -9,6 +9,8 @@ recorded with the baseline and replayed on the gate, in this process and on the 
                   with a script reproducing a change in one module or one optimizer step
     located       a row's location in words (kernel rounding named where the baseline is
                   another machine's)
+    within_rounding  a row beyond its tolerance whose first change was a kernel's rounding,
+                  held to the workload's rounding floor
     drawn         a draws row in words
     say_replayed  every row of a workload whose draws differ from the baseline's says they
                   were replayed
@@ -16,6 +18,7 @@ recorded with the baseline and replayed on the gate, in this process and on the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -25,11 +28,13 @@ import torch
 from hookbench.core import draws
 from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload
-from hookbench.gate import rows
+from hookbench.gate import baselines, rows
 from hookbench.gate.checks import Run, Section
-from hookbench.measure import trace
+from hookbench.measure import bounds, trace
+from hookbench.measure.bounds import FLOOR_FACTOR, KERNEL_ROUNDING_ULPS, Tolerance
+from hookbench.measure.parity import compare
 
-__all__ = ["drawn", "located", "measured", "say_replayed"]
+__all__ = ["drawn", "located", "measured", "say_replayed", "within_rounding"]
 
 
 def measured(run: Run, measure_all: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -49,12 +54,11 @@ def measured(run: Run, measure_all: Callable[[], dict[str, Any]]) -> dict[str, A
         try:
             with draws.replaying(recorded["draws"]) as session:
                 got = measure_all()
-                traces = {w.name: _traces(w) for w in workloads}
+                for w in workloads:  # on the recorded draws too: a repro, a rounding floor
+                    _locate(w, got, recorded["traces"].get(w.name, {}), _traces(w),
+                            run.repro, recorded.get("torch", "the baseline's"))
         finally:
             del os.environ[draws.ENV]
-        for w in workloads:
-            _locate(w, got, recorded["traces"].get(w.name, {}), traces[w.name], run.repro,
-                    recorded.get("torch", "the baseline's"))
     return {**got, **{f"{w.name}/draws": session.report(w.name) for w in workloads}}
 
 
@@ -87,8 +91,11 @@ def _locate(workload: Workload, got: dict[str, Any], was: dict[str, Any],
     """Each row of ``workload`` that ran gets ``located``: where its step first changed
     (``trace.locate``), or that the standard step is as recorded; with ``folder``, a change
     in one module or one optimizer step also gets a script reproducing it (``trace.repro``),
-    named in the words."""
+    named in the words. A change in arithmetic also gets ``rounding``: whether it was as small
+    as a kernel's rounding where it first happened (``bounds.rounding``), and then the
+    workload's rounding floor (``trace.rounding_floor``), which ``within_rounding`` judges."""
     scripts: dict[str, str] = {}
+    floors: dict[str, dict[str, float]] = {}
     for key, value in got.items():
         name, _, row = key.partition("/")
         if name != workload.name or rows.ROWS.get(row) is None or rows.ROWS[row].kind not in (
@@ -115,6 +122,45 @@ def _locate(workload: Workload, got: dict[str, Any], was: dict[str, Any],
                 script = f"no repro ({one_line(e)})"
             scripts[place] = f"; repro: {script}" if script else ""
         value["located"] = place + scripts.get(place, "")
+        if found["kind"].startswith("arithmetic") and None not in found["norms"]:
+            small, relative, limit = bounds.rounding(workload, *found["norms"])
+            value["rounding"] = {"relative": relative, "limit": limit}
+            if small:
+                if implementation not in floors:
+                    floors[implementation] = trace.rounding_floor(workload, implementation,
+                                                                  rows.STEPS)
+                value["rounding"]["floor"] = floors[implementation]
+
+
+def within_rounding(recorded: dict[str, Any], value: dict[str, Any], tol: Tolerance | None,
+                    machine_note: str = "") -> tuple[bool, str]:
+    """A row whose final parameters are beyond its tolerance from the recorded ones, where
+    ``measured`` found the first change in arithmetic (``value["rounding"]``): it holds where
+    that change was a kernel's rounding where it happened and the parameters are within
+    ``FLOOR_FACTOR`` x the workload's rounding floor, tensor by tensor (training amplified a
+    rounding, as it amplifies any); else it fails, saying which of the two it is not."""
+    r = value["rounding"]
+    now, was = baselines.final_parameters(value), baselines.final_parameters(recorded)
+    changed = compare([now], [was], tol)
+    beyond = changed.verdict()
+    where = (f"where it first changed, its norm moved {r['relative']:.2g} relative, "
+             + (f"a kernel's rounding (up to {r['limit']:.2g})" if "floor" in r else
+                f"more than a kernel's rounding ({r['limit']:.2g}): what is computed changed"))
+    if "floor" not in r:
+        return False, f"CHANGED bits{machine_note}; final parameters {beyond}; {where}"
+    floor = [{k: torch.full_like(v, FLOOR_FACTOR * r["floor"].get(k, 0.0), dtype=torch.float64)
+              for k, v in was.items()}]
+    held = compare([now], [was], tol or Tolerance(rtol=0.0, atol=0.0), floor)
+    held = dataclasses.replace(held, rounding_level=0, bound=(
+        f"{FLOOR_FACTOR:g}x this workload's rounding floor per tensor: every gradient moved "
+        f"{KERNEL_ROUNDING_ULPS} ulps of its largest value at each step"))
+    if not held.ok:
+        return False, (f"CHANGED bits{machine_note}; final parameters {beyond}; {where}, but "
+                       f"the parameters moved further than rounding moves them: "
+                       f"{held.verdict()}")
+    return True, (f"CHANGED bits{machine_note} by KERNEL ROUNDING: {where}; training amplified "
+                  f"it to max |diff| {changed.max_abs:.3g} in the final parameters, beyond the "
+                  f"row's tolerance and within the rounding floor: {held.verdict()}")
 
 
 

@@ -698,6 +698,9 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
             tol = value.get("tolerance")
             ok, verdict = trajectory_verdict(rec, value, tol and Tolerance(**tol),
                                              run.machine_note)
+            if not ok and value.get("rounding") and rec and "final" in rec:
+                ok, verdict = replay.within_rounding(rec, value, tol and Tolerance(**tol),
+                                                     run.machine_note)
             drift = yardstick_problem(rec, value)
             changed = not ok or drift is not None or "identical" not in verdict
             section.add(ok and drift is None, key, "; ".join(filter(None, (

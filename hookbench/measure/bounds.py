@@ -15,6 +15,8 @@
     MEMORY_SLACK        a peak on the fake backend against the recorded one
     CUDA_SLACK          CUDA's max_memory_allocated against the fake estimate
     STATES_AGREEMENT    measured model states against the ZeRO paper's formula
+    KERNEL_ROUNDING_ULPS  how far a kernel that rounds otherwise moves a tensor
+    rounding            a change between releases, where it first happened, that is that
 
 A rule that changes is changed here; the rows name the rule they use (``hookbench.gate.rows``).
 """
@@ -29,8 +31,8 @@ from hookbench.core.workload import Workload
 
 __all__ = ["AUTOCAST", "CUDA_SLACK", "DATA_PARALLEL", "FLOOR_FACTOR", "IMPLEMENTATIONS",
            "KERNEL_ROUNDING_ULPS", "MEMORY_SLACK", "STATES_AGREEMENT", "STEP_TEMPORARIES",
-           "YARDSTICK_HEADROOM", "Tolerance", "data_parallel_bound", "pure_data_parallel", "tolerance",
-           "trajectory_bound"]
+           "YARDSTICK_HEADROOM", "Tolerance", "data_parallel_bound", "pure_data_parallel",
+           "rounding", "tolerance", "trajectory_bound"]
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,23 @@ STATES_AGREEMENT = 0.02
 # went wrong (another dropout mask, RReLU's wrong gradients, pytorch#193671) moves a gradient by
 # a sizeable part of it.
 KERNEL_ROUNDING_ULPS = 4
+
+
+def rounding(workload: Workload, recorded: float, now: float) -> tuple[bool, float, float]:
+    """Whether a tensor's float64 L2 norm, ``recorded`` on one release and ``now`` on another
+    where a step first changed, moved by no more than a kernel's rounding: (within, relative
+    change, limit). The limit is ``KERNEL_ROUNDING_ULPS`` x eps of the lowest precision the
+    step computes in, relative: an element within that many ulps of the tensor's largest value
+    moves the norm by less (most by far less: roundings of either sign cancel in it). A
+    matmul in backward one ulp off moves the gradient reaching an attention block by 5e-9
+    relative (tests/gate/test_rounding.py); RMSNorm's epsilon in bf16 (pytorch#189581) moves
+    its output's by ~0.85, a 0.1% change of a formula by 1e-3."""
+    dtype = workload.pure or {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        workload.precision, workload.parameter_dtype)
+    limit = KERNEL_ROUNDING_ULPS * torch.finfo(dtype).eps
+    relative = abs(now - recorded) / abs(recorded) if recorded else (0.0 if not now else
+                                                                     float("inf"))
+    return relative <= limit, relative, limit
 
 
 def tolerance(strategy: str, dtype: torch.dtype) -> Tolerance | None:

@@ -21,6 +21,13 @@ two traces and names the first place they part, with its kind:
                     reversed: backward's arithmetic
     optimizer step  the first parameter updated otherwise from identical gradients: that
                     implementation's arithmetic
+
+``rounding_floor`` measures how far kernel rounding alone moves the workload's parameters
+over the same steps: every gradient moved, element by element, by ``KERNEL_ROUNDING_ULPS`` ulps
+of its largest value at each step. A release that changed bits where one kernel rounds
+otherwise (a reordered sum) moves them no further than that; one that changed what is
+computed (an epsilon, a mask, a formula) moves the tensor where it first changed by far more
+than a rounding, which ``locate``'s norms show.
 """
 
 from __future__ import annotations
@@ -37,9 +44,10 @@ from torch.utils._pytree import tree_leaves
 
 from hookbench.core.workload import Workload
 from hookbench.mechanisms.activation_capture import ActivationCapture
+from hookbench.measure.bounds import KERNEL_ROUNDING_ULPS
 from hookbench.measure.parity import training
 
-__all__ = ["STEPS", "locate", "repro", "trace"]
+__all__ = ["STEPS", "locate", "repro", "rounding_floor", "trace"]
 
 STEPS = 3  # the steps the trajectory rows train
 Mark = tuple[str, float]  # (digest, float64 L2 norm) of one or more tensors
@@ -145,16 +153,21 @@ def locate(was: dict[str, Any], now: dict[str, Any]) -> dict[str, str] | None:
     the phase, where in it, and the kind of change, with the words."""
     impl = was["implementation"]
     for step, (a, b) in enumerate(zip(was["steps"], now["steps"])):
-        def found(phase: str, where: str, kind: str, words: str) -> dict[str, str]:
+        def found(phase: str, where: str, kind: str, words: str,
+                  marks: tuple[Mark | None, Mark | None] = (None, None)) -> dict[str, Any]:
+            # the float64 L2 norms, recorded and now, of what first changed: how large the
+            # change is where it happened, before training amplifies it
             return {"step": str(step), "phase": phase, "where": where, "kind": kind,
-                    "words": f"first changed at step {step}, {phase}: {words}: {kind}"}
+                    "words": f"first changed at step {step}, {phase}: {words}: {kind}",
+                    "norms": tuple(m[1] if m else None for m in marks)}
 
         if a["data"] != b["data"]:
             return found("data", "the batch", "arithmetic of the batch function",
-                         f"the batch ({_norms(a['data'], b['data'])})")
+                         f"the batch ({_norms(a['data'], b['data'])})", (a["data"], b["data"]))
         if (name := _first(a["before"], b["before"])) is not None:
+            marks = a["before"].get(name), b["before"].get(name)
             return found("initialisation", name, "arithmetic of the initialisation",
-                         f"{name} ({_norms(a['before'].get(name), b['before'].get(name))})")
+                         f"{name} ({_norms(*marks)})", marks)
         for (n, c, cls, given_a, out_a), (m, d, _, given_b, out_b) in zip(a["calls"], b["calls"]):
             if (n, c) != (m, d):
                 return found("forward", n, "another forward",
@@ -163,17 +176,19 @@ def locate(was: dict[str, Any], now: dict[str, Any]) -> dict[str, str] | None:
                 if given_a == given_b:
                     return found("forward", n, f"arithmetic of a module ({cls})",
                                  f"module {n} ({cls}, call {c}) given its recorded inputs "
-                                 f"returns another output ({_norms(out_a, out_b)})")
+                                 f"returns another output ({_norms(out_a, out_b)})",
+                                 (out_a, out_b))
                 return found("forward", n, "arithmetic between modules",
                              f"module {n} ({cls}, call {c}) is given other inputs while every "
                              f"call before it returned its recorded output (an op in its "
-                             f"parent's forward)")
+                             f"parent's forward)", (given_a, given_b))
         if len(a["calls"]) != len(b["calls"]):
             return found("forward", "the module calls", "another forward",
                          f"{len(b['calls'])} module calls where {len(a['calls'])} were recorded")
         if a["loss"] != b["loss"]:
             return found("loss", "the loss", "arithmetic of the loss",
-                         f"the loss of the recorded outputs ({_norms(a['loss'], b['loss'])})")
+                         f"the loss of the recorded outputs ({_norms(a['loss'], b['loss'])})",
+                         (a["loss"], b["loss"]))
         # backward: the first module output, as backward goes, reached by another gradient;
         # what made it is the backward of the module that took that output in the forward
         ahead = None
@@ -185,19 +200,58 @@ def locate(was: dict[str, Any], now: dict[str, Any]) -> dict[str, str] | None:
                 return found("backward", n, "arithmetic of backward",
                              f"the gradient reaching the output of module {n} ({cls}, call "
                              f"{c}) after the recorded forward{after} "
-                             f"({_norms(got_a, got_b)})")
+                             f"({_norms(got_a, got_b)})", (got_a, got_b))
             ahead = (n, cls)
         # backward reaches the parameters about in reverse: the last layer's gradient first
         if (name := _first(dict(reversed(a["grads"].items())), b["grads"])) is not None:
+            marks = a["grads"].get(name), b["grads"].get(name)
             return found("backward", name, "arithmetic of backward",
                          f"the gradient of {name} after the recorded forward "
-                         f"({_norms(a['grads'].get(name), b['grads'].get(name))})")
+                         f"({_norms(*marks)})", marks)
         if (name := _first(a["after"], b["after"])) is not None:
+            marks = a["after"].get(name), b["after"].get(name)
             return found("optimizer step", name,
                          f"arithmetic of the optimizer ({impl})",
                          f"{name} updated otherwise from its recorded gradient by the "
-                         f"{impl} step ({_norms(a['after'].get(name), b['after'].get(name))})")
+                         f"{impl} step ({_norms(*marks)})", marks)
     return None
+
+
+def rounding_floor(workload: Workload, implementation: str = "forloop",
+                   steps: int = STEPS) -> dict[str, float]:
+    """How far kernel rounding alone moves ``workload``'s parameters in ``steps`` standard
+    steps of ``implementation`` (as ``trace`` trains them): per parameter, the largest
+    |perturbed - clean| element after the last step (``name``), and the difference of their
+    float64 L2 norms (``name#norm``, as a baseline stores them), where the perturbed run moves
+    every nonzero gradient element, after each backward, by +-``KERNEL_ROUNDING_ULPS`` x eps x
+    the gradient's largest |value| (signs from a fixed generator, not torch's default one)."""
+    cls, kwargs = workload.optimizer
+    eager = workload.replace(compile=None)
+    finals = []
+    for perturbed in (False, True):
+        signs = torch.Generator().manual_seed(0)
+        with training(eager, cls, kwargs, implementation) as run:
+            for i in range(steps):
+                x, y = eager.data(i)
+                loss = eager.compute_loss(run.model, x, y, (i, 0))
+                (loss if run.scale is None else run.scale(loss)).backward()
+                for p in run.model.parameters() if perturbed else ():
+                    if p.grad is None or not p.grad.is_floating_point() or p.grad.is_sparse:
+                        continue
+                    g = p.grad
+                    ulp = torch.finfo(g.dtype).eps * float(g.detach().abs().max())
+                    sign = torch.randint(0, 2, g.shape, generator=signs).to(g) * 2 - 1
+                    # an exact zero stays: a sum of zeros is zero in any order
+                    g.add_(sign * (g != 0) * (KERNEL_ROUNDING_ULPS * ulp))
+                run.optimizer_step()
+            finals.append({n: p.detach().double().clone()
+                           for n, p in run.model.named_parameters()})
+    clean, moved = finals
+    floor = {}
+    for name, value in clean.items():
+        floor[name] = float((moved[name] - value).abs().max()) if value.numel() else 0.0
+        floor[f"{name}#norm"] = abs(float(moved[name].norm() - value.norm()))
+    return floor
 
 
 def _bare(module: nn.Module) -> nn.Module:
