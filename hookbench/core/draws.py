@@ -5,8 +5,8 @@ dropout masks than 2.6.0 for the same seed), while a broken random op still fail
 
 A draw is keyed by where it happens in its generator's stream: the state of the generator it
 draws from (torch's default generator of its device, or the one passed to it), the op, the
-shape and dtype of what it makes, and the values of the tensors it reads (a probability, a
-sign pattern). That key is the same on every release that seeds alike (``manual_seed``: the
+shape and dtype of what it makes, and what it reads: the values of its tensors (a
+probability, a sign pattern) and its numbers (a mean and std, bounds, a probability). That key is the same on every release that seeds alike (``manual_seed``: the
 Mersenne Twister's state from a seed has not changed), whatever the release then draws.
 Replaying a draw hands back the recorded values and leaves the generator in the state the
 recorded release left it in, so the draws after it keep their recorded keys. A checkpointed
@@ -112,9 +112,13 @@ class Session(TorchDispatchMode):
             return out
         drawn = args[1] if name == _NOISE else out  # what is drawn
         read = args[:1] if name == _NOISE else args[1:] if name.endswith("_") else args
+        # what it reads: tensors by their values, numbers as given (normal_'s std: two inits
+        # with another std at the same state draw other values; keyed alike, the second got
+        # the first's, a Llama's o_proj at half its std)
         key = "|".join([name, str(tuple(drawn.shape)), str(drawn.dtype), _digest(before),
-                        *(_digest(t) for t in tree_leaves((read, kwargs))
-                          if torch.is_tensor(t))])
+                        *(_digest(t) if torch.is_tensor(t) else repr(t)
+                          for t in tree_leaves((read, kwargs))
+                          if not isinstance(t, torch.Generator))])
         seen["draws"] += 1
         if not self.replaying:
             self.draws.setdefault(key, {"value": drawn.detach().cpu().clone(),

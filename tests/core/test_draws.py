@@ -213,3 +213,23 @@ def test_a_probe_of_what_a_row_applies_to_draws_as_recorded_inside_a_memory_meas
         assert verdicts.not_applicable(w, 3, 2, ("fsdp2_zero2",)) != expected  # can fail
         with draws.replaying(recorded.draws), draws.suspended():
             assert verdicts.not_applicable(w, 3, 2, ("fsdp2_zero2",)) == expected
+
+
+def test_draws_that_read_other_numbers_are_other_draws():
+    """Two workloads from one seed whose inits draw with another std at the same generator
+    state (examples/hf: a Llama's o_proj and another model's): each replays its own values."""
+    def init(std: float):
+        def model():
+            net = Net()
+            nn.init.normal_(net.a.weight, 0.0, std)
+            return net
+        return model
+
+    wide, narrow = (WORKLOAD.replace(name=f"std-{s}", model=init(s)) for s in (0.02, 0.01))
+    with draws.recording() as recorded:
+        narrow.build()  # recorded first, at the states wide then draws at
+        expected = wide.build().a.weight.detach().clone()
+    with OtherStreams(), draws.replaying(recorded.draws) as session:
+        got = wide.build().a.weight
+    assert torch.equal(got, expected), (float(got.norm()), float(expected.norm()))
+    assert session.report("std-0.02")["not_recorded"] == {}
