@@ -49,6 +49,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 
+from hookbench.core import launch
 from hookbench.core.leak_guard import HookLeakGuard, HookTracker
 from hookbench.core.workload import seeded_rngs
 from hookbench.gate.step_time import WHOLE_STEP_PAIRS
@@ -101,8 +102,8 @@ def _share_the_cores() -> None:
     cores a second intra-op thread made the gate 1.06x faster for 1.33x the CPU time (measured:
     119 s against 126 s), so two workers of one thread finish far sooner than one of two, and
     two of two would oversubscribe the cores. The gate passes against baselines/gate.json on
-    one thread as on two; a test that needs what only a 2-thread split makes asks for
-    ``two_threads``."""
+    one thread as on two; a test that needs references summed in another order than the
+    ranks asks for ``other_order``."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
     if workers > 1:
         threads = str(max(1, (os.cpu_count() or 1) // workers))
@@ -236,17 +237,22 @@ def _seeded() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def two_threads() -> Iterator[None]:
-    """torch, and the ranks it spawns, on 2 intra-op threads, whatever ``-n`` gave the worker.
-    For the tests that need DDP to leave the single process's tolerance (the yardstick
-    cascade): the drift comes from a 2-thread split of the single process's whole-batch
-    reductions, which one thread does not make."""
+def other_order() -> Iterator[None]:
+    """The single-process references summed in another legal order than the ranks: computed on
+    2 intra-op threads where each rank computes on 1 (``launch.RANK_THREADS``), whatever
+    ``-n`` gave the worker. On 2 ranks the references otherwise do the ranks' arithmetic bit
+    for bit; this is the drift more ranks make (another order of the sum), for the tests of
+    what the judge does where DDP leaves the single process's tolerance (the yardstick
+    cascade)."""
     before = torch.get_num_threads(), {n: os.environ.get(n) for n in _THREAD_VARIABLES}
     os.environ.update(dict.fromkeys(_THREAD_VARIABLES, "2"))
     torch.set_num_threads(2)
+    patch = pytest.MonkeyPatch()
+    patch.setattr(launch, "rank_threads", contextlib.nullcontext)
     try:
         yield
     finally:
+        patch.undo()
         torch.set_num_threads(before[0])
         for name, value in before[1].items():
             if value is None:

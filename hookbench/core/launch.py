@@ -21,6 +21,10 @@ started (``torchrun_world()`` says whether it did): every rank first shows the o
 it runs and raises, naming it, where any differs; a rank whose ``fn`` raises sends its error
 instead of its result, so that none waits for it; rank 0 turns the results into an exit code,
 with which every rank returns.
+
+``rank_threads()`` gives the calling process a rank's intra-op threads (``RANK_THREADS``): a
+reference computed in one process for the ranks to be held to runs the kernels the ranks run
+(oneDNN's convolutions sum in another order with another thread count).
 """
 
 from __future__ import annotations
@@ -46,8 +50,21 @@ import torch.multiprocessing as mp
 
 from hookbench.core import orphans
 
-__all__ = ["RankFailed", "beside", "on_torchrun", "run", "torchrun_backend",
-           "torchrun_world"]
+__all__ = ["RANK_THREADS", "RankFailed", "beside", "on_torchrun", "rank_threads", "run",
+           "torchrun_backend", "torchrun_world"]
+
+RANK_THREADS = 1  # N ranks share this machine's cores
+
+
+@contextlib.contextmanager
+def rank_threads() -> Iterator[None]:
+    """This process with a spawned rank's intra-op threads, restored on exit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(RANK_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 class RankFailed(RuntimeError):
@@ -96,7 +113,7 @@ def _worker(index: int, first: int, world: int, port: int, timeout: float, out: 
             backend: str, fn: Callable[..., Any], args: tuple) -> None:
     # tied to its parent already, at its first import of hookbench (orphans.run)
     rank = first + index  # run: ranks 0..N-1; beside: 1..N-1, the caller being 0
-    torch.set_num_threads(1)  # N ranks share this machine's cores
+    torch.set_num_threads(RANK_THREADS)
     try:
         _init(backend, port, rank, world, timeout)
         torch.save(fn(rank, world, *args), Path(out) / f"rank{rank}.pt")

@@ -4,9 +4,11 @@ measured noise floor where it does not, and each shown to fail when what it guar
 
 The BatchNorm convnet below is the case that made the single process the wrong yardstick: a
 ResNet-10 (hookbench's torchvision-free ResNet), two samples per share, SGD with Nesterov
-momentum. Its two legal references
-(DDP and the single process) drift far beyond any rounding-level tolerance within 3 steps,
-while ZeRO-2 and DDP agree to the bit.
+momentum. Where the single process sums in another order than the ranks (here: on 2 threads,
+the ranks on 1; in general: more than 2 ranks), its two legal references (DDP and the single
+process) drift far beyond any rounding-level tolerance within 3 steps, while ZeRO-2 and DDP
+agree to the bit. Computed with a rank's threads, on 2 ranks, the single process is DDP bit
+for bit.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookbench import Workload
+from hookbench.core import launch
+from hookbench.core.launch import rank_threads
 from hookbench.engines import references
 from hookbench.gate import rows, workload_checks
 from hookbench.gate.judge import Runs, judge_row
@@ -64,7 +68,7 @@ FLOAT32_ONLY = Workload("float32-only", model=Float32Only, batch=vectors, loss=F
 
 
 @pytest.fixture(scope="module")
-def batchnorm_row(two_threads) -> dict:
+def batchnorm_row(other_order) -> dict:
     return workload_checks.zero2([BATCHNORM], with_engines=False)["conv-bn/zero2"]
 
 
@@ -78,6 +82,24 @@ def test_zero2_on_a_batchnorm_convnet_is_ddp_bit_for_bit(batchnorm_row):
     assert drift and float(drift[1]) > 1e3, batchnorm_row["parity"]
     assert "so judged within 2x the measured noise floor per tensor" in batchnorm_row["parity"]
     assert batchnorm_row["noise_floor"][-1] > batchnorm_row["noise_floor"][0] > 0
+
+
+def test_the_single_process_computes_with_a_ranks_threads_and_is_ddp_bit_for_bit(monkeypatch):
+    """On a machine with more threads than a rank has, the references are computed with a
+    rank's (``launch.rank_threads``): the ranks' kernels, so on 2 ranks DDP is the single
+    process bit for bit. Without it (``batchnorm_row``, the ``other_order`` fixture) DDP is
+    more than 1e3x the tolerance from it after 3 steps."""
+    monkeypatch.setattr(launch, "rank_threads", rank_threads)  # whatever ran before
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        row = workload_checks.zero2([BATCHNORM], with_engines=False)["conv-bn/zero2"]
+    finally:
+        torch.set_num_threads(before)
+    assert row["problems"] == [], row
+    assert row["parity"] == ("vs DDP on the same shares: bit-exact; vs one process on the "
+                             "ranks' shares: bit-exact; DDP within the same tolerance"), row
+    assert torch.get_num_threads() == before
 
 
 @pytest.mark.parametrize("fault", [

@@ -45,7 +45,7 @@ def test_gpt2_trains_with_its_dropout_on():
 
 
 @pytest.mark.distributed
-def test_zero2_trains_each_real_model_like_data_parallelism(two_threads):
+def test_zero2_trains_each_real_model_like_data_parallelism(other_order):
     rows = workload_checks.zero2(WORKLOADS, with_engines=False)
     assert _failed(rows) == []
     # The key third of each qkv bias (2 blocks x 192) and of GPT-2's c_attn (2 x 64), at least;
@@ -72,7 +72,7 @@ def test_the_engines_train_each_real_model_like_ddp():
 
 @pytest.mark.distributed
 def test_without_the_rounding_level_bounds_the_vit_is_judged_within_the_noise_floor(
-        monkeypatch, two_threads):
+        monkeypatch, other_order):
     # What issue 26 saw: Adam turns the key bias's 1e-10 gradients into +-lr steps whose sign
     # follows the summation order, so DDP itself leaves the single process's tolerance; then
     # the single process is the second yardstick within the measured floor, and DDP the first.
