@@ -284,10 +284,37 @@ def pinned(name: str, compiled: bool = False) -> Iterator[None]:
 
 
 def save(path: str | os.PathLike, draws: dict[str, dict[str, Any]], **beside: Any) -> None:
-    """The draws, and what else goes ``beside`` them in the same file (``draws`` to ``load``)."""
-    torch.save({"draws": draws, **beside}, path)
+    """The draws, and what else goes ``beside`` them in the same file (``draws`` to ``load``).
+    A draw of zeros and ones (a dropout mask: nearly all of a speech model's 100 MB) is kept
+    as bits."""
+    torch.save({"draws": {key: _packed(d) for key, d in draws.items()}, **beside}, path)
 
 
 def load(path: str | os.PathLike) -> dict[str, Any]:
     """A file ``save`` wrote: ``["draws"]``, and what was saved beside them."""
-    return torch.load(path, weights_only=True)
+    got = torch.load(path, weights_only=True)
+    got["draws"] = {key: _unpacked(d) for key, d in got["draws"].items()}
+    return got
+
+
+_BITS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
+
+
+def _packed(draw: dict[str, Any]) -> dict[str, Any]:
+    value = draw["value"]
+    if value.is_complex() or not bool(((value == 0) | (value == 1)).all()):
+        return draw
+    flat = value.reshape(-1).to(torch.uint8)
+    flat = torch.cat([flat, flat.new_zeros(-len(flat) % 8)]).reshape(-1, 8)
+    bits = (flat * _BITS).sum(1, dtype=torch.uint8)
+    return {"bits": bits, "dtype": str(value.dtype).removeprefix("torch."),
+            "shape": list(value.shape), "after": draw["after"]}
+
+
+def _unpacked(draw: dict[str, Any]) -> dict[str, Any]:
+    if "bits" not in draw:
+        return draw
+    shape = draw["shape"]
+    flat = ((draw["bits"].reshape(-1, 1) & _BITS) != 0).reshape(-1)[:math.prod(shape)]
+    return {"value": flat.to(getattr(torch, draw["dtype"])).reshape(shape),
+            "after": draw["after"]}

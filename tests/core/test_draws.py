@@ -169,6 +169,22 @@ def test_draws_survive_a_file_and_nothing_is_pinned_outside_a_session(tmp_path):
     assert draws.active() is None
 
 
+def test_a_mask_is_kept_as_bits_and_read_back_as_drawn(tmp_path):
+    mask = torch.bernoulli(torch.full((1001,), 0.5))  # not a multiple of 8
+    values = {"mask": mask, "bool": mask.bool(), "normal": torch.randn(1001),
+              "ints": torch.randint(0, 5, (1001,)), "empty": torch.empty(0, 3)}
+    state = torch.get_rng_state()
+    draws.save(tmp_path / "d.pt", {k: {"value": v, "after": state} for k, v in values.items()})
+    back = draws.load(tmp_path / "d.pt")["draws"]
+    for key, value in values.items():
+        got = back[key]["value"]
+        assert got.dtype == value.dtype and torch.equal(got, value), key
+        assert torch.equal(back[key]["after"], state)
+    stored = torch.load(tmp_path / "d.pt", weights_only=True)["draws"]
+    assert stored["mask"]["bits"].numel() == 126 and "value" not in stored["mask"]
+    assert "value" in stored["normal"] and "value" in stored["ints"]
+
+
 # The contracts of torch's dropout the draws rows rely on, on plain torch: each fault above
 # breaks one (``--hookbench-fault``), here without any pinning.
 def test_dropout_drops_the_fraction_it_is_asked_to():
