@@ -28,11 +28,17 @@ def run(args: argparse.Namespace) -> int:
     for fault, failed in caught.items():
         if fault is None:
             print(f"  {'no fault':{width}}  " + (
-                "passes" if not failed else f"FAILS (it must pass): {failed}"))
+                "passes" if not failed else "FAILS (it must pass): " + "; ".join(
+                    f"{name} ({', '.join(rows)})" for name, rows in failed.items())))
+        elif not failed:
+            print(f"  {fault:{width}}  MISSED")
         else:
-            print(f"  {fault:{width}}  " + ("CAUGHT by " + "; ".join(
-                f"{name} ({', '.join(rows[:3])}{', ...' if len(rows) > 3 else ''})"
-                for name, rows in failed.items()) if failed else "MISSED"))
+            print(f"  {fault:{width}}  CAUGHT by " + "; ".join(
+                f"{name} ({', '.join(list(rows)[:3])}{', ...' if len(rows) > 3 else ''})"
+                for name, rows in failed.items()))
+            row, words = next(iter(next(iter(failed.values())).items()))
+            words = words if len(words) <= 240 else words[:237] + "..."
+            print(f"  {'':{width}}  struck {row}: {words}")
     if json_path:
         json_path.write_text(json.dumps({str(k): v for k, v in caught.items()}, indent=1))
     missed = [f for f, failed in caught.items() if f is not None and not failed]

@@ -184,9 +184,10 @@ def selfcheck(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
               models: tuple[str, ...] = ("transformer",),
               progress: Callable[[str], None] = lambda message: None,
               checkpoint_dir: str | Path | None = None, replay: str | Path | None = None
-              ) -> dict[str | None, dict[str, list[str]]]:
+              ) -> dict[str | None, dict[str, dict[str, str]]]:
     """The gate, clean and under every fault, with --strict-warnings (a new warning is a
-    fault to catch): for each, the failed rows by section. A section no fault targets
+    fault to catch): for each, the failed rows by section, each with its words (where the
+    fault struck: the step and parameter, the module, the collective). A section no fault targets
     (``FAULTS == ()``) has nothing to prove here and is left out."""
     sections = tuple(s for s in sections if REGISTRY[s].FAULTS != ())
     # Only the faults some chosen section targets: a fault no chosen section is meant to
@@ -202,6 +203,7 @@ def selfcheck(base: dict[str, Any], sections: tuple[str, ...] = SECTIONS,
                      if fault is None or REGISTRY[s].FAULTS is None or fault in REGISTRY[s].FAULTS)
         result, _ = gate(base, here, models, fault, zero2_ranks=ranks[fault],
                          checkpoint_dir=checkpoint_dir, strict_warnings=True, replay=replay)
-        caught[fault] = {name: list(dict.fromkeys(cells[0] for cells, ok in s.rows if not ok))
+        # each failed row with its words: which row a fault struck, and where in it
+        caught[fault] = {name: {cells[0]: cells[-1] for cells, ok in s.rows if not ok}
                          for name, s in result.items() if not s.ok}
     return caught

@@ -260,7 +260,8 @@ def test_selfcheck_runs_only_the_faults_the_chosen_sections_target(monkeypatch):
                                   FAULTS=("fires_twice",))
     monkeypatch.setitem(gate.REGISTRY, "extra", extra)
     base = gate.measure_all(("extra",))
-    assert gate.selfcheck(base, ("extra",)) == {None: {}, "fires_twice": {"extra": ["row"]}}
+    assert gate.selfcheck(base, ("extra",)) == {
+        None: {}, "fires_twice": {"extra": {"row": "{'fault': 'fires_twice'}"}}}
     # A section that every fault reaches (FAULTS None) brings the whole catalogue back, but
     # the DeepSpeed row's faults: the gate has no DeepSpeed row (the peers tier catches them)
     monkeypatch.setattr(extra, "FAULTS", None)
@@ -565,6 +566,9 @@ def test_selfcheck_catches_every_fault_and_passes_clean(tmp_path):
         assert fault in elsewhere or sections <= set(caught[fault]), (fault, caught)
     assert not set(caught) & set(elsewhere)
     assert "parity" not in caught["optimizer_arithmetic_changed"]
+    # each caught fault's failed rows say where it struck, and the first one is printed
+    assert all(words for f in caught for rows in caught[f].values() for words in rows.values())
+    assert proc.stdout.count("  struck ") == len(caught)
     run = len(FAULTS) - len(elsewhere)
     assert f"{run} of {run} faults caught ({len(elsewhere)} more target none of these " \
            f"sections); " + (
