@@ -16,6 +16,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from hookbench.core.workload import Workload
+from hookbench.measure.trace import RankTrace
 from hookbench.measure.zero2_runs import local_batch
 
 __all__ = ["ACCUMULATION", "Refused", "train", "wrapping"]
@@ -54,10 +55,12 @@ def train(rank: int, world: int, spec: Workload, model: torch.nn.Module, wrapped
     optimizer holds) for ``steps`` optimizer steps of ``accumulation`` micro-batches. After
     each backward ``observe(synced)`` says what it left (hook calls, gradients); each synced
     backward runs inside ``synced_backward()`` (what watches its collectives); after each
-    step ``full_parameters()`` gives every parameter whole, on the CPU."""
+    step ``full_parameters()`` gives every parameter whole, on the CPU. ``"trace"``: the
+    rank's steps traced (``RankTrace``), which locate a change in them."""
     scheduler = spec.scheduler(optimizer)
     scaler = spec.grad_scaler(device)
     snapshots, after_backward = [], []
+    traced = RankTrace()
     for i in range(steps):
         for micro in range(accumulation):
             index = i * accumulation + micro
@@ -65,9 +68,12 @@ def train(rank: int, world: int, spec: Workload, model: torch.nn.Module, wrapped
             x, y = local_batch(spec, index, rank, world, device)
             with contextlib.nullcontext() if synced else no_sync():
                 loss = spec.compute_loss(wrapped, x, y, (index, rank)) / accumulation
-                with synced_backward() if synced else contextlib.nullcontext():
+                with synced_backward() if synced else contextlib.nullcontext(), traced:
                     (loss if scaler is None else scaler.scale(loss)).backward()
+            traced.micro((x, y), loss)
             after_backward.append(observe(synced))
+            if synced:
+                traced.synced({n: p.grad for n, p in model.named_parameters()})
         if spec.clip_grad_norm is not None:
             if scaler is not None:
                 scaler.unscale_(optimizer)
@@ -83,4 +89,6 @@ def train(rank: int, world: int, spec: Workload, model: torch.nn.Module, wrapped
         if scheduler is not None:
             scheduler.step()
         snapshots.append(full_parameters())
-    return {"snapshots": snapshots, "after_backward": after_backward, "error": None}
+        traced.stepped(model)
+    return {"snapshots": snapshots, "after_backward": after_backward, "trace": traced.steps,
+            "error": None}

@@ -42,24 +42,35 @@ def measured(run: Run, measure_all: Callable[[], dict[str, Any]]) -> dict[str, A
     replay file; else in a session recording into it (``run.recording``) or replaying it."""
     workloads = list(run.workloads)
     if run.replay is None or not (run.recording or run.replay.is_file()):
-        return measure_all()  # a baseline without a replay file
+        got = measure_all()  # a baseline without a replay file
+        _ranks_traces(got)
+        return got
     if run.recording:
         with draws.recording() as session:
             got = measure_all()
             traces = {w.name: _traces(w) for w in workloads}
-        draws.save(run.replay, session.draws, traces=traces, torch=str(torch.__version__))
+        draws.save(run.replay, session.draws, traces=traces, ranks=_ranks_traces(got),
+                   torch=str(torch.__version__))
     else:
         recorded = draws.load(run.replay)
         os.environ[draws.ENV] = str(run.replay)  # the ranks replay the same file
         try:
             with draws.replaying(recorded["draws"]) as session:
                 got = measure_all()
+                ranks = {"was": recorded.get("ranks", {}), "now": _ranks_traces(got)}
                 for w in workloads:  # on the recorded draws too: a repro, a rounding floor
                     _locate(w, got, recorded["traces"].get(w.name, {}), _traces(w),
-                            run.repro, recorded.get("torch", "the baseline's"))
+                            run.repro, recorded.get("torch", "the baseline's"), ranks)
         finally:
             del os.environ[draws.ENV]
     return {**got, **{f"{w.name}/draws": session.report(w.name) for w in workloads}}
+
+
+def _ranks_traces(got: dict[str, Any]) -> dict[str, Any]:
+    """Each ranks row's trace of rank 0's steps (``trace.RankTrace``), taken out of its row:
+    it goes into the replay file, not into the baseline."""
+    return {key: value.pop("ranks_trace") for key, value in got.items()
+            if isinstance(value, dict) and "ranks_trace" in value}
 
 
 def _implementation(workload: Workload, row: str) -> str:
@@ -87,11 +98,14 @@ def _traces(workload: Workload) -> dict[str, Any]:
 
 
 def _locate(workload: Workload, got: dict[str, Any], was: dict[str, Any],
-            now: dict[str, Any], folder: Path | None = None, torch_was: str = "") -> None:
+            now: dict[str, Any], folder: Path | None = None, torch_was: str = "",
+            ranks: dict[str, dict[str, Any]] | None = None) -> None:
     """Each row of ``workload`` that ran gets ``located``: where its step first changed
     (``trace.locate``), or that the standard step is as recorded; with ``folder``, a change
     in one module or one optimizer step also gets a script reproducing it (``trace.repro``),
-    named in the words. A change in arithmetic also gets ``rounding``: whether it was as small
+    named in the words. Where the standard step is as recorded, a ranks row's change is
+    looked for in rank 0's steps (``ranks``: the recorded and the new ``trace.RankTrace``
+    of each row, ``trace.locate_ranks``). A change in arithmetic also gets ``rounding``: whether it was as small
     as a kernel's rounding where it first happened (``bounds.rounding``), and then the
     workload's rounding floor (``trace.rounding_floor``), which ``within_rounding`` judges."""
     scripts: dict[str, str] = {}
@@ -108,10 +122,16 @@ def _locate(workload: Workload, got: dict[str, Any], was: dict[str, Any],
             value["located"] = f"not located: the {implementation} step's trace ({why})"
             continue
         found = trace.locate(a, b)
+        on_ranks = [(ranks or {}).get(side, {}).get(key) for side in ("was", "now")]
+        if found is None and None not in on_ranks:
+            found = trace.locate_ranks(*on_ranks)
         if found is None:
             value["located"] = (f"the standard {implementation} step is as recorded over "
-                                f"{rows.STEPS} steps (data, forward, loss, backward, step): the "
-                                f"change is in this row's own path")
+                                f"{rows.STEPS} steps (data, forward, loss, backward, step)"
+                                + (", and so are rank 0's steps (data, loss, what reached "
+                                   "each collective, the synced gradients, the step)"
+                                   if None not in on_ranks else "")
+                                + ": the change is in this row's own path")
             continue
         place = found["words"]  # one script per place, whichever implementation found it
         if folder is not None and place not in scripts:

@@ -209,13 +209,15 @@ def zero2_row(workload: Workload, case: dict[str, Any], got: list[dict[str, Any]
 
 
 def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 300.0,
-          with_zero2: bool = True, with_engines: bool = True) -> dict[str, dict[str, Any]]:
+          with_zero2: bool = True, with_engines: bool = True, traced: bool = False
+          ) -> dict[str, dict[str, Any]]:
     """ZeRO-2 on ``ZERO2_RANKS`` gloo ranks for every workload, torch's DDP beside it, and the
     engines' runs (``engines.verdicts``), from one start of the ranks (a fault is injected
     into ZeRO-2 and the engines, never into the DDP that judges ZeRO-2); then every
     reference, each measured once; then every row judged as its entry declares
     (``hookbench.gate.judge``). ``with_zero2=False``: the engines' rows only;
-    ``with_engines=False``: ZeRO-2's only."""
+    ``with_engines=False``: ZeRO-2's only; ``traced``: each row also has ``ranks_trace``,
+    rank 0's steps traced (``trace.RankTrace``), for the gate's replay file."""
     cases = [zero2_case(w, fault) for w in (workloads if with_zero2 else ())]
     engined = workloads if with_engines else []
     stopped, engine_cases = engine_runs(engined, fault)
@@ -230,16 +232,16 @@ def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 
     # engines' in engine_rows before it judges them
     measured = {w.name: _measured(lambda w=w: measure_references(
         w, zero2_results[w.name], STEPS, ZERO2_RANKS, 1)) for w in workloads[:len(cases)]}
-    out = engine_rows(engined, stopped, got)
+    out = engine_rows(engined, stopped, got, traced=traced)
     for w in workloads[:len(cases)]:
         out[f"{w.name}/zero2"] = _judged(w, zero2_results[w.name], measured[w.name],
-                                         ZERO2_RANKS)["zero2"]
+                                         ZERO2_RANKS, traced)["zero2"]
     return out
 
 
 def _judged(w: Workload, results: dict[str, list[dict[str, Any]]],
-            measured: tuple[references.Measured | dict | None, list[str]], world: int
-            ) -> dict[str, dict[str, Any]]:
+            measured: tuple[references.Measured | dict | None, list[str]], world: int,
+            traced: bool = False) -> dict[str, dict[str, Any]]:
     """Each row of ``results`` (by row name: ZeRO-2's, or the engines' that ran) judged against
     its references, measured already (``_measured``: a row's ``error`` where measuring them
     stopped), with a fingerprint of rank 0's parameters and the bound it was held to; the
@@ -255,6 +257,8 @@ def _judged(w: Workload, results: dict[str, list[dict[str, Any]]],
         if "snapshots" in got:
             got = {**fingerprint(got.pop("snapshots"), SAMPLE), **got,
                    "tolerance": {"rtol": runs.tol.rtol, "atol": runs.tol.atol}}
+            if traced and results[entry.name][0].get("trace") is not None:
+                got["ranks_trace"] = results[entry.name][0]["trace"]
         warned = results[entry.name][0].get("warnings")
         return {**got, "warnings": warned} if warned else got
 
@@ -294,7 +298,8 @@ def _engine_results(w: Workload, stopped: dict[str, dict[str, str]],
 
 def engine_rows(workloads: list[Workload], stopped: dict[str, dict[str, dict[str, str]]],
                 got: dict[references.Key, list[dict[str, Any]]], world: int = ZERO2_RANKS,
-                engines: tuple[str, ...] = verdicts.ENGINES) -> dict[str, dict[str, Any]]:
+                engines: tuple[str, ...] = verdicts.ENGINES, traced: bool = False
+                ) -> dict[str, dict[str, Any]]:
     """The ``name/engines/<engine>`` rows of ``engine_runs``'s runs from what the ranks
     returned for them (``got``: by key, each case's results in rank order): those that did
     not run as ``stopped`` says; the others judged against their references, every
@@ -304,7 +309,7 @@ def engine_rows(workloads: list[Workload], stopped: dict[str, dict[str, dict[str
         w, results[w.name], STEPS, world, ACCUMULATION)) for w in workloads}
     out: dict[str, dict[str, Any]] = {}
     for w in workloads:
-        judged = _judged(w, results[w.name], measured[w.name], world)
+        judged = _judged(w, results[w.name], measured[w.name], world, traced)
         out.update({f"{w.name}/engines/{e}": stopped[w.name].get(e) or judged[f"engines/{e}"]
                     for e in engines})
     return out
@@ -633,7 +638,7 @@ def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str
     for w in workloads:
         out.update(trajectories(w))
     try:
-        out.update(zero2(workloads, fault))
+        out.update(zero2(workloads, fault, traced=True))
     except Exception as e:  # noqa: BLE001 - a crashed or late rank fails the ranks' rows
         out.update({key: {"error": one_line(e)} for w in workloads
                     for key in (f"{w.name}/zero2", *(f"{w.name}/engines/{engine}"

@@ -22,6 +22,18 @@ two traces and names the first place they part, with its kind:
     optimizer step  the first parameter updated otherwise from identical gradients: that
                     implementation's arithmetic
 
+``RankTrace`` traces a rank's steps under an engine or ZeRO-2 (its share of each batch, its
+loss, what reached each collective its backward called, its gradients after them, its
+parameters after each step), and ``locate_ranks`` names where rank 0's steps first parted:
+
+    data            the rank's share of the batch
+    forward         the loss on the rank's share (kernels at the share's batch size)
+    backward        what reached a collective (its c10d op, in call order) on an identical
+                    forward: the rank's backward, or how the engine packs its gradients
+    collective      the gradients after the collectives, where what reached them is as
+                    recorded: the collective's arithmetic
+    optimizer step  the parameters after the step from identical synced gradients
+
 ``rounding_floor`` measures how far kernel rounding alone moves the workload's parameters
 over the same steps: every gradient moved, element by element, by ``KERNEL_ROUNDING_ULPS`` ulps
 of its largest value at each step. A release that changed bits where one kernel rounds
@@ -40,6 +52,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hookbench.core.workload import Workload
@@ -47,7 +60,7 @@ from hookbench.mechanisms.activation_capture import ActivationCapture
 from hookbench.measure.bounds import KERNEL_ROUNDING_ULPS
 from hookbench.measure.parity import training
 
-__all__ = ["STEPS", "locate", "repro", "rounding_floor", "trace"]
+__all__ = ["STEPS", "RankTrace", "locate", "locate_ranks", "repro", "rounding_floor", "trace"]
 
 STEPS = 3  # the steps the trajectory rows train
 Mark = tuple[str, float]  # (digest, float64 L2 norm) of one or more tensors
@@ -217,6 +230,93 @@ def locate(was: dict[str, Any], now: dict[str, Any]) -> dict[str, str] | None:
     return None
 
 
+def _local(t: Any) -> Any:
+    return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
+
+
+class RankTrace(TorchDispatchMode):
+    """A rank's steps, for ``locate_ranks``: entered around each backward (what reaches the
+    process group's collectives, c10d ops, in call order), told each micro-batch
+    (``micro``), the gradients after a synced backward (``synced``) and the parameters after
+    each step (``stepped``). ``steps`` is what a rank returns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[dict[str, Any]] = []
+        self._reached: list[tuple[str, Mark]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional"):
+            tensors = [_local(t) for t in tree_leaves((args, kwargs or {}))
+                       if isinstance(t, torch.Tensor)]
+            if tensors:  # its input, as handed over: an in-place collective overwrites it
+                self._reached.append((func._schema.name, _mark(tensors)))
+        return func(*args, **(kwargs or {}))
+
+    def micro(self, batch: Any, loss: torch.Tensor) -> None:
+        if not self.steps or "after" in self.steps[-1]:
+            self.steps.append({"micro": []})
+        self.steps[-1]["micro"].append({"data": _mark(batch), "loss": _mark(loss),
+                                        "reached": self._reached})
+        self._reached = []
+
+    def synced(self, grads: dict[str, Any]) -> None:
+        self.steps[-1]["synced"] = {n: None if g is None else _mark(_local(g))
+                                    for n, g in grads.items()}
+
+    def stepped(self, model: nn.Module) -> None:
+        self.steps[-1]["after"] = {n: _mark(_local(p)) for n, p in model.named_parameters()}
+
+
+def locate_ranks(was: list[dict[str, Any]], now: list[dict[str, Any]]
+                 ) -> dict[str, Any] | None:
+    """Where rank 0's traced steps ``now`` (``RankTrace.steps``) first part from the recorded
+    ``was`` (None: nowhere), as ``locate`` says it."""
+    for step, (a, b) in enumerate(zip(was, now)):
+        def found(phase: str, where: str, kind: str, words: str,
+                  marks: tuple[Mark | None, Mark | None] = (None, None)) -> dict[str, Any]:
+            return {"step": str(step), "phase": phase, "where": where, "kind": kind,
+                    "words": f"on the ranks, first changed at step {step}, {phase}: {words}: "
+                             f"{kind}", "norms": tuple(m[1] if m else None for m in marks),
+                    "on_ranks": True}
+
+        for m, (x, y) in enumerate(zip(a["micro"], b["micro"])):
+            if x["data"] != y["data"]:
+                return found("data", "rank 0's share", "arithmetic of the batch function",
+                             f"rank 0's share of micro-batch {m} ({_norms(x['data'], y['data'])})",
+                             (x["data"], y["data"]))
+            if x["loss"] != y["loss"]:
+                return found("forward", "rank 0's loss", "arithmetic of the forward on a "
+                             "rank's share", f"rank 0's loss on micro-batch {m} "
+                             f"({_norms(x['loss'], y['loss'])})", (x["loss"], y["loss"]))
+            for c, ((op, got_a), (op_b, got_b)) in enumerate(zip(x["reached"], y["reached"])):
+                if op != op_b:
+                    return found("backward", f"collective {c}", "another collective",
+                                 f"rank 0's backward calls {op_b} where it called {op}")
+                if got_a != got_b:
+                    return found("backward", f"collective {c} ({op})", "arithmetic of "
+                                 "backward on a rank's share", f"what reached collective {c} "
+                                 f"({op}) on micro-batch {m} after the recorded forward "
+                                 f"({_norms(got_a, got_b)})", (got_a, got_b))
+            if len(x["reached"]) != len(y["reached"]):
+                return found("backward", "the collectives", "another collective",
+                             f"rank 0's backward calls {len(y['reached'])} collectives where "
+                             f"{len(x['reached'])} were recorded")
+        if (name := _first(a.get("synced", {}), b.get("synced", {}))) is not None:
+            marks = a["synced"].get(name), b["synced"].get(name)
+            ops = sorted({op for x in a["micro"] for op, _ in x["reached"]})
+            return found("collective", name, f"arithmetic of a collective "
+                         f"({', '.join(ops) or 'none called'})", f"the gradient of {name} "
+                         f"after the collectives, handed what was recorded ({_norms(*marks)})",
+                         marks)
+        if (name := _first(a["after"], b["after"])) is not None:
+            marks = a["after"].get(name), b["after"].get(name)
+            return found("optimizer step", name, "arithmetic of the optimizer on a rank",
+                         f"{name} updated otherwise from its recorded synced gradient "
+                         f"({_norms(*marks)})", marks)
+    return None
+
+
 def rounding_floor(workload: Workload, implementation: str = "forloop",
                    steps: int = STEPS) -> dict[str, float]:
     """How far kernel rounding alone moves ``workload``'s parameters in ``steps`` standard
@@ -299,7 +399,9 @@ def repro(workload: Workload, implementation: str, found: dict[str, Any], was: d
     """A standalone script reproducing a change ``locate`` ``found`` in one module's forward or
     one parameter's optimizer step, with what it was given beside it (as recorded: everything
     before it matched), into ``folder``; None where the change is elsewhere, or the module is
-    not torch's own (the script would need the user's code)."""
+    not torch's own (the script would need the user's code), or it is on the ranks."""
+    if found.get("on_ranks"):
+        return None  # what a rank was given is not kept: no script stands alone for it
     step = int(found["step"])
     recorded_steps = was["steps"][step]
     stem = f"{workload.name}-{row}".replace("/", "-")

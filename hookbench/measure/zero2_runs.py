@@ -21,6 +21,7 @@ from hookbench.core.workload import of, to_device
 from hookbench.measure.faults import run_under
 from hookbench.measure.memory import measure
 from hookbench.measure.parity import compare
+from hookbench.measure.trace import RankTrace
 from hookbench.mechanisms.zero2 import Zero2
 from hookbench.models.zoo import TinySpec
 
@@ -88,8 +89,10 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     scaler = spec.grad_scaler(device)
     snapshots: list[dict[str, torch.Tensor]] = []
     after_backward: list[dict[str, Any]] = []
+    traced = RankTrace()  # what locates a change in this rank's steps
     result: dict[str, Any] = {"snapshots": snapshots, "after_backward": after_backward,
-                              "grad_norms": [], "loss_scales": [], "error": None}
+                              "grad_norms": [], "loss_scales": [], "trace": traced.steps,
+                              "error": None}
     named = dict(model.named_parameters())
     params = None if groups is None else [{"params": [named[n] for n in names], **options}
                                           for names, options in groups]
@@ -128,7 +131,9 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                     loss = zero.scale(loss)
                 elif scaler is not None:
                     loss = scaler.scale(loss)
-                loss.backward()
+                with traced:
+                    loss.backward()
+                traced.micro((x, y), loss)
                 after_backward.append({
                     "param_grads": [n for n, p in model.named_parameters()
                                     if p.grad is not None],
@@ -136,6 +141,9 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                                             if f.grad is not None),
                     "hook_calls": dict(zero.hook_calls),
                 })
+            # this rank's shards of the reduced gradients, before the step
+            traced.synced({f"shard {k} of the flat gradients": f.grad
+                           for k, f in enumerate(zero.flats)})
             if clipping:
                 if scaler is not None:
                     scaler.unscale_(zero)
@@ -150,6 +158,7 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                 scheduler.step()
             snapshots.append({n: p.detach().cpu().clone()
                               for n, p in model.named_parameters()})
+            traced.stepped(model)
             if mixed:
                 result["masters"].append(own_masters(zero))
             if zero.loss_scale is not None:

@@ -6,6 +6,7 @@ holds on the replayed draws."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 
@@ -14,6 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hookbench import gate
+from hookbench.gate import replay, workload_checks
+from hookbench.measure import trace
 from tests.core.test_draws import WORKLOAD, OtherStreams
 
 pytestmark = pytest.mark.distributed
@@ -93,3 +96,45 @@ def test_an_optimizer_that_steps_otherwise_is_located_in_its_step(tmp_path):
     assert not verdict[0] and "first changed at step 0, optimizer step: a.weight updated " \
         "otherwise from its recorded gradient by the forloop step" in verdict[1], verdict
     assert verdict[1].endswith("arithmetic of the optimizer (forloop)")
+
+
+def _with(steps: list, step: int, *path) -> list:
+    """Rank 0's traced ``steps`` with one mark changed: another digest, another norm."""
+    steps = copy.deepcopy(steps)
+    where = steps[step]
+    for key in path[:-1]:
+        where = where[key]
+    old, new = where[path[-1]], ("0" * 16, 1.0)
+    where[path[-1]] = (old[0], new) if isinstance(old[1], tuple) else new  # (op, mark): mark
+    return steps
+
+
+def test_a_ranks_row_that_changed_on_the_ranks_says_where():
+    """Where the standard step is as recorded, a ranks row's change is looked for in rank 0's
+    own steps (``trace.RankTrace``): its share, its loss, what reached each collective, the
+    gradients after them, the step. Each place changed in turn is the one named."""
+    got = workload_checks.zero2([WORKLOAD], traced=True)
+    ddp, zero2 = got["drop/engines/ddp"]["ranks_trace"], got["drop/zero2"]["ranks_trace"]
+    assert ddp[0]["micro"][-1]["reached"][0][0] == "c10d::allreduce_"
+    assert {op for op, _ in zero2[0]["micro"][-1]["reached"]} >= {"c10d::reduce_"}
+    assert trace.locate_ranks(ddp, ddp) is None
+    cases = {(1, "micro", 1, "data"): "step 1, data: rank 0's share of micro-batch 1",
+             (1, "micro", 0, "loss"): "step 1, forward: rank 0's loss on micro-batch 0",
+             (2, "micro", 1, "reached", 0): "step 2, backward: what reached collective 0 "
+                                            "(c10d::allreduce_) on micro-batch 1 after the "
+                                            "recorded forward",
+             (1, "synced", "b.bias"): "step 1, collective: the gradient of b.bias after the "
+                                      "collectives, handed what was recorded",
+             (1, "after", "a.weight"): "step 1, optimizer step: a.weight updated otherwise"}
+    for (step, *path), words in cases.items():
+        found = trace.locate_ranks(ddp, _with(ddp, step, *path))
+        assert found["words"].startswith(f"on the ranks, first changed at {words}"), found
+    # through the gate's locating: the standard step as recorded, rank 0's synced gradient not
+    row = {"sha256": "x"}
+    standard = {"forloop": trace.trace(WORKLOAD, "forloop", 1)}
+    replay._locate(WORKLOAD, {"drop/engines/ddp": row}, standard, standard, ranks={
+        "was": {"drop/engines/ddp": ddp},
+        "now": {"drop/engines/ddp": _with(ddp, 0, "synced", "a.bias")}})
+    assert row["located"].startswith("on the ranks, first changed at step 0, collective: the "
+                                     "gradient of a.bias"), row
+    assert row["located"].endswith("arithmetic of a collective (c10d::allreduce_)"), row
