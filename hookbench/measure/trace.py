@@ -66,17 +66,27 @@ STEPS = 3  # the steps the trajectory rows train
 Mark = tuple[str, float]  # (digest, float64 L2 norm) of one or more tensors
 
 
+def _tensors(value: Any) -> Any:
+    """The tensors in ``value`` (nested); a sparse one (an embedding's gradient) as its
+    indices and values."""
+    for t in tree_leaves(value):
+        if isinstance(t, torch.Tensor) and t.is_sparse:
+            t = t.detach().coalesce()
+            yield from (t.indices(), t.values())
+        elif isinstance(t, torch.Tensor):
+            yield t
+
+
 def _mark(value: Any) -> Mark:
     """The digest of every tensor in ``value`` (nested), with their float64 L2 norm."""
     h, squares = hashlib.sha256(), 0.0
-    for t in tree_leaves(value):
-        if isinstance(t, torch.Tensor):
-            t = t.detach().cpu()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            if t.numel() and (t.is_floating_point() or t.is_complex()):
-                squares += float(t.double().abs().square().sum() if not t.is_complex()
-                                 else t.abs().double().square().sum())
+    for t in _tensors(value):
+        t = t.detach().cpu()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        if t.numel() and (t.is_floating_point() or t.is_complex()):
+            squares += float(t.double().abs().square().sum() if not t.is_complex()
+                             else t.abs().double().square().sum())
     return h.hexdigest()[:16], squares ** 0.5
 
 
