@@ -111,7 +111,9 @@ def single_process(workload: Workload, optimizer_class: type, kwargs: dict[str, 
     per-step bounds of the elements whose gradient is at rounding level (None where float64
     cannot run the model); and, then, why. Against the whole batch in one forward, low
     precision would round differently (a bf16 mean over 8 rows is not the mean of two bf16 means
-    over 4); this way only the order of the fp32 gradient sum differs."""
+    over 4). Each rank's micro-batches are summed on their own, then the ranks' sums
+    (``Training.step_by_rank``), and ``measure`` runs it with a rank's threads: on 2 ranks it
+    is then DDP's arithmetic bit for bit; from 3 on, gloo adds the ranks in another order."""
     noise: NoiseBounds | None = NoiseBounds()
     why = ""
     with training(workload, optimizer_class, kwargs, "forloop") as run:
@@ -128,7 +130,7 @@ def single_process(workload: Workload, optimizer_class: type, kwargs: dict[str, 
                     noise, why = None, f"float64 cannot run this model ({one_line(e)})"
                 else:
                     noise.add(run, level)
-            run.step_on(batches, keys)
+            run.step_by_rank(batches, keys)
             snapshots.append(run.snapshot())
     return parameters_only(snapshots), None if noise is None else noise.steps, why
 
