@@ -5,9 +5,10 @@ dropout masks than 2.6.0 for the same seed), while a broken random op still fail
 
 A draw is keyed by where it happens in its generator's stream: the state of the generator it
 draws from (torch's default generator of its device, or the one passed to it), the op, the
-shape and dtype of what it makes, and what it reads: the values of its tensors (a
-probability, a sign pattern) and its numbers (a mean and std, bounds, a probability). That key is the same on every release that seeds alike (``manual_seed``: the
-Mersenne Twister's state from a seed has not changed), whatever the release then draws.
+shape and dtype of what it makes, and what it reads: the values of its tensors (a probability,
+a sign pattern) and its numbers (a mean and std, bounds, a probability). That key is the same
+on every release that seeds alike (``manual_seed``: the Mersenne Twister's state from a seed
+has not changed), whatever the release then draws.
 Replaying a draw hands back the recorded values and leaves the generator in the state the
 recorded release left it in, so the draws after it keep their recorded keys. A checkpointed
 block's recomputation in backward (``torch.utils.checkpoint``, the workload's own or one the

@@ -104,10 +104,11 @@ def _locate(workload: Workload, got: dict[str, Any], was: dict[str, Any],
     (``trace.locate``), or that the standard step is as recorded; with ``folder``, a change
     in one module or one optimizer step also gets a script reproducing it (``trace.repro``),
     named in the words. Where the standard step is as recorded, a ranks row's change is
-    looked for in rank 0's steps (``ranks``: the recorded and the new ``trace.RankTrace``
-    of each row, ``trace.locate_ranks``). A change in arithmetic also gets ``rounding``: whether it was as small
-    as a kernel's rounding where it first happened (``bounds.rounding``), and then the
-    workload's rounding floor (``trace.rounding_floor``), which ``within_rounding`` judges."""
+    looked for in rank 0's steps (``ranks``: the recorded and the new ``trace.RankTrace`` of
+    each row, ``trace.locate_ranks``). A change in arithmetic also gets ``rounding``: whether
+    it was as small as a kernel's rounding where it first happened (``bounds.rounding``), and
+    then the workload's rounding floor (``trace.rounding_floor``), which ``within_rounding``
+    judges."""
     scripts: dict[str, str] = {}
     floors: dict[str, dict[str, float]] = {}
     for key, value in got.items():
