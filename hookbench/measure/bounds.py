@@ -32,7 +32,7 @@ from hookbench.core.workload import Workload
 __all__ = ["AUTOCAST", "CUDA_SLACK", "DATA_PARALLEL", "FLOOR_FACTOR", "IMPLEMENTATIONS",
            "KERNEL_ROUNDING_ULPS", "MEMORY_SLACK", "STATES_AGREEMENT", "STEP_TEMPORARIES",
            "YARDSTICK_HEADROOM", "Tolerance", "data_parallel_bound", "pure_data_parallel",
-           "rounding", "tolerance", "trajectory_bound"]
+           "rounding", "rounding_eps", "tolerance", "trajectory_bound"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,14 @@ STATES_AGREEMENT = 0.02
 KERNEL_ROUNDING_ULPS = 4
 
 
+def rounding_eps(workload: Workload) -> float:
+    """The eps of the lowest precision ``workload``'s step computes in (its pure dtype, its
+    autocast dtype, else its parameters'): what a kernel's rounding is an ulp of."""
+    dtype = workload.pure or {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
+        workload.precision, workload.parameter_dtype)
+    return torch.finfo(dtype).eps
+
+
 def rounding(workload: Workload, recorded: float, now: float) -> tuple[bool, float, float]:
     """Whether a tensor's float64 L2 norm, ``recorded`` on one release and ``now`` on another
     where a step first changed, moved by no more than a kernel's rounding: (within, relative
@@ -126,9 +134,7 @@ def rounding(workload: Workload, recorded: float, now: float) -> tuple[bool, flo
     matmul in backward one ulp off moves the gradient reaching an attention block by 5e-9
     relative (tests/gate/test_rounding.py); RMSNorm's epsilon in bf16 (pytorch#189581) moves
     its output's by ~0.85, a 0.1% change of a formula by 1e-3."""
-    dtype = workload.pure or {"bf16": torch.bfloat16, "fp16": torch.float16}.get(
-        workload.precision, workload.parameter_dtype)
-    limit = KERNEL_ROUNDING_ULPS * torch.finfo(dtype).eps
+    limit = KERNEL_ROUNDING_ULPS * rounding_eps(workload)
     relative = abs(now - recorded) / abs(recorded) if recorded else (0.0 if not now else
                                                                      float("inf"))
     return relative <= limit, relative, limit

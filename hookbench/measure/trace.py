@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_leaves
 
 from hookbench.core.workload import Workload
 from hookbench.mechanisms.activation_capture import ActivationCapture
-from hookbench.measure.bounds import KERNEL_ROUNDING_ULPS
+from hookbench.measure.bounds import KERNEL_ROUNDING_ULPS, rounding_eps
 from hookbench.measure.parity import training
 
 __all__ = ["STEPS", "RankTrace", "locate", "locate_ranks", "repro", "rounding_floor", "trace"]
@@ -333,10 +333,14 @@ def rounding_floor(workload: Workload, implementation: str = "forloop",
     steps of ``implementation`` (as ``trace`` trains them): per parameter, the largest
     |perturbed - clean| element after the last step (``name``), and the difference of their
     float64 L2 norms (``name#norm``, as a baseline stores them), where the perturbed run moves
-    every nonzero gradient element, after each backward, by +-``KERNEL_ROUNDING_ULPS`` x eps x
-    the gradient's largest |value| (signs from a fixed generator, not torch's default one)."""
+    every nonzero gradient element, after each backward, by +-``KERNEL_ROUNDING_ULPS`` x eps
+    (``bounds.rounding_eps``) x the gradient's largest |value| (signs from a fixed generator,
+    not torch's default one)."""
     cls, kwargs = workload.optimizer
     eager = workload.replace(compile=None)
+    # an ulp of the lowest precision in play: under bf16 autocast a forward that rounds
+    # otherwise moves the fp32 gradients by a bf16 ulp, not a float32 one
+    eps = rounding_eps(workload)
     finals = []
     for perturbed in (False, True):
         signs = torch.Generator().manual_seed(0)
@@ -349,7 +353,7 @@ def rounding_floor(workload: Workload, implementation: str = "forloop",
                     if p.grad is None or not p.grad.is_floating_point() or p.grad.is_sparse:
                         continue
                     g = p.grad
-                    ulp = torch.finfo(g.dtype).eps * float(g.detach().abs().max())
+                    ulp = eps * float(g.detach().abs().max())
                     sign = torch.randint(0, 2, g.shape, generator=signs).to(g) * 2 - 1
                     # an exact zero stays: a sum of zeros is zero in any order
                     g.add_(sign * (g != 0) * (KERNEL_ROUNDING_ULPS * ulp))
