@@ -249,3 +249,20 @@ def test_draws_that_read_other_numbers_are_other_draws():
         got = wide.build().a.weight
     assert torch.equal(got, expected), (float(got.norm()), float(expected.norm()))
     assert session.report("std-0.02")["not_recorded"] == {}
+
+
+def test_a_small_mask_alike_by_chance_is_not_a_mask_that_ignores_the_seed():
+    """timm's drop-path on 2 samples draws (2, 1, 1, 1) masks, mostly all ones: 12 of them all
+    ones on one release is a 0.11 chance where the recorded ones were 10 of 12 all ones (seen
+    on 2.9.1 against 2.6.0, ConvNeXt-atto). Masks that differ every time, all alike, are not."""
+    session = draws.Session({})
+    by_key = session.seen["w"]["by_key"]
+    ones = "1" * 16
+    by_key["aten::bernoulli_|(2, 1, 1, 1)|torch.float32|p"] = {
+        f"state {i}": (ones, ones if i < 10 else f"{i:016d}") for i in range(12)}
+    assert session.report("w")["problems"] == []
+    by_key["aten::bernoulli_|(2, 1, 1, 1)|torch.float32|p"] = {
+        f"state {i}": (ones, f"{i:016d}") for i in range(12)}
+    problem, = session.report("w")["problems"]
+    assert problem.startswith("aten::bernoulli_ draws the same values from every generator "
+                              "state (12 draws of (2, 1, 1, 1))") and "ignores the seed" in problem
