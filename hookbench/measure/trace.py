@@ -331,8 +331,9 @@ def rounding_floor(workload: Workload, implementation: str = "forloop",
                    steps: int = STEPS) -> dict[str, float]:
     """How far kernel rounding alone moves ``workload``'s parameters in ``steps`` standard
     steps of ``implementation`` (as ``trace`` trains them): per parameter, the largest
-    |perturbed - clean| element after the last step (``name``), and the difference of their
-    float64 L2 norms (``name#norm``, as a baseline stores them), where the perturbed run moves
+    |perturbed - clean| element after the last step (``name``), and the float64 L2 norm of
+    perturbed - clean (``name#norm``: the most the change can move the norm a baseline
+    stores), where the perturbed run moves
     every nonzero gradient element, after each backward, by +-``KERNEL_ROUNDING_ULPS`` x eps
     (``bounds.rounding_eps``) x the gradient's largest |value| (signs from a fixed generator,
     not torch's default one)."""
@@ -364,7 +365,8 @@ def rounding_floor(workload: Workload, implementation: str = "forloop",
     floor = {}
     for name, value in clean.items():
         floor[name] = float((moved[name] - value).abs().max()) if value.numel() else 0.0
-        floor[f"{name}#norm"] = abs(float(moved[name].norm() - value.norm()))
+        # |norm(a) - norm(b)| <= norm(a - b): what the same change may do to a stored norm
+        floor[f"{name}#norm"] = float((moved[name] - value).norm())
     return floor
 
 
