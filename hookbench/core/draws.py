@@ -65,7 +65,8 @@ ALIKE = 1e-6
 
 def _digest(t: torch.Tensor) -> str:
     raw = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]
+    # a copy: numpy over a tensor's own storage would make it unresizable
+    return hashlib.sha256(raw.clone().numpy().tobytes()).hexdigest()[:16]
 
 
 def _generator(args: tuple, kwargs: dict) -> torch.Generator:

@@ -38,6 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hookbench.core.workload import DDP_HOOK_KEYS, of
 from hookbench.engines.loop import Refused, train, wrapping
+from hookbench.measure.trace import RankTrace
 from hookbench.measure.zero2_runs import rank_device
 
 __all__ = ["bucket_problems", "by_hand", "described", "hook_of", "in_words",
@@ -130,9 +131,12 @@ def _train(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict
     buffers: set[int] = set()  # the storages of the buckets handed to the hook
     comm_hook, state = hook
 
+    traced = RankTrace()
+
     @functools.wraps(comm_hook)  # DDP logs the hook's name, and checks its annotations
     def counting(state, bucket):
         calls.append((bucket.index(), [names[p] for p in bucket.parameters()]))
+        traced.reach(f"bucket {bucket.index()} to {in_words(comm_hook)}", bucket.buffer())
         if bucket.buffer().layout == torch.strided:
             buffers.add(bucket.buffer().untyped_storage().data_ptr())
         return comm_hook(state, bucket)
@@ -154,7 +158,7 @@ def _train(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict
         return seen
 
     out = train(rank, world, spec, model, ddp, optimizer, device, steps, accumulation,
-                ddp.no_sync, observe, _parameters(model))
+                ddp.no_sync, observe, _parameters(model), traced=traced)
     out["settings"] = reported(ddp, spec.ddp)
     return out
 

@@ -43,6 +43,7 @@ from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import describe, of
 from hookbench.engines.loop import Refused, train, wrapping
 from hookbench.measure.memory import built
+from hookbench.measure.trace import RankTrace
 from hookbench.measure.zero2_runs import local_batch, rank_device
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 
@@ -343,7 +344,8 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
         else:
             optimizer = optimizer_class(params, **kwargs)
 
-        reaching = _Reaching()
+        traced = RankTrace()
+        reaching = _Reaching(traced)
 
         def observe(synced: bool) -> dict[str, Any]:
             seen = {"synced": synced, "hook_calls": dict(calls),
@@ -363,7 +365,8 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                            accumulation, lambda: _no_sync(model), observe,
                            lambda: {n: p.full_tensor().detach().cpu().clone()
                                     for n, p in model.named_parameters()},
-                           synced_backward=lambda: reaching)  # where reduce-scatters run
+                           synced_backward=lambda: reaching,  # where reduce-scatters run
+                           traced=traced)
         except (ValueError, RuntimeError) as e:
             if not settings["in_backward"]:
                 raise
@@ -388,16 +391,21 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
 
 class _Reaching(TorchDispatchMode):
     """The dtypes of what reaches the process group's reduce-scatter (its c10d op): a
-    collective judged by what it is handed, not by the policy FSDP2 holds."""
+    collective judged by what it is handed, not by the policy FSDP2 holds; and what reaches
+    each collective of a synced backward, told to ``traced``."""
 
-    def __init__(self) -> None:
+    def __init__(self, traced: RankTrace) -> None:
         super().__init__()
         self.dtypes: set[str] = set()
+        self.traced = traced
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d" and "reduce_scatter" in func.__name__:
-            self.dtypes.update(str(t.dtype) for t in tree_leaves(args)
-                               if isinstance(t, torch.Tensor))
+        if func.namespace == "c10d":
+            tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+            if "reduce_scatter" in func.__name__:
+                self.dtypes.update(str(t.dtype) for t in tensors)
+            if tensors:
+                self.traced.reach(func._schema.name, tensors)
         return func(*args, **(kwargs or {}))
 
 

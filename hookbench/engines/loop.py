@@ -49,18 +49,19 @@ def train(rank: int, world: int, spec: Workload, model: torch.nn.Module, wrapped
           optimizer: Any, device: str, steps: int, accumulation: int,
           no_sync: Callable[[], ContextManager], observe: Callable[[bool], dict[str, Any]],
           full_parameters: Callable[[], dict[str, torch.Tensor]],
-          synced_backward: Callable[[], ContextManager] = contextlib.nullcontext
-          ) -> dict[str, Any]:
+          synced_backward: Callable[[], ContextManager] = contextlib.nullcontext,
+          traced: RankTrace | None = None) -> dict[str, Any]:
     """Train ``wrapped`` (the engine's model; ``model`` the module whose parameters the
     optimizer holds) for ``steps`` optimizer steps of ``accumulation`` micro-batches. After
     each backward ``observe(synced)`` says what it left (hook calls, gradients); each synced
     backward runs inside ``synced_backward()`` (what watches its collectives); after each
     step ``full_parameters()`` gives every parameter whole, on the CPU. ``"trace"``: the
-    rank's steps traced (``RankTrace``), which locate a change in them."""
+    rank's steps traced (``traced``, which the engine tells what reaches its collectives),
+    which locate a change in them."""
     scheduler = spec.scheduler(optimizer)
     scaler = spec.grad_scaler(device)
     snapshots, after_backward = [], []
-    traced = RankTrace()
+    traced = traced or RankTrace()
     for i in range(steps):
         for micro in range(accumulation):
             index = i * accumulation + micro
@@ -68,7 +69,7 @@ def train(rank: int, world: int, spec: Workload, model: torch.nn.Module, wrapped
             x, y = local_batch(spec, index, rank, world, device)
             with contextlib.nullcontext() if synced else no_sync():
                 loss = spec.compute_loss(wrapped, x, y, (index, rank)) / accumulation
-                with synced_backward() if synced else contextlib.nullcontext(), traced:
+                with synced_backward() if synced else contextlib.nullcontext():
                     (loss if scaler is None else scaler.scale(loss)).backward()
             traced.micro((x, y), loss)
             after_backward.append(observe(synced))

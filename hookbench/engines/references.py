@@ -111,9 +111,10 @@ def single_process(workload: Workload, optimizer_class: type, kwargs: dict[str, 
     per-step bounds of the elements whose gradient is at rounding level (None where float64
     cannot run the model); and, then, why. Against the whole batch in one forward, low
     precision would round differently (a bf16 mean over 8 rows is not the mean of two bf16 means
-    over 4). Each rank's micro-batches are summed on their own, then the ranks' sums
-    (``Training.step_by_rank``), and ``measure`` runs it with a rank's threads: on 2 ranks it
-    is then DDP's arithmetic bit for bit; from 3 on, gloo adds the ranks in another order."""
+    over 4). ``measure`` runs it with a rank's threads, so its kernels are the ranks': on 2
+    ranks without accumulation it is then DDP's arithmetic bit for bit; with accumulation the
+    micro-batches come in another order than DDP's (a0 + a1 + b0 + b1 against (a0 + b0) +
+    (a1 + b1)), and from 3 ranks on gloo adds the ranks in another order."""
     noise: NoiseBounds | None = NoiseBounds()
     why = ""
     with training(workload, optimizer_class, kwargs, "forloop") as run:
@@ -130,7 +131,7 @@ def single_process(workload: Workload, optimizer_class: type, kwargs: dict[str, 
                     noise, why = None, f"float64 cannot run this model ({one_line(e)})"
                 else:
                     noise.add(run, level)
-            run.step_by_rank(batches, keys)
+            run.step_on(batches, keys)
             snapshots.append(run.snapshot())
     return parameters_only(snapshots), None if noise is None else noise.steps, why
 

@@ -248,30 +248,6 @@ class Training:
             (loss if self.scale is None else self.scale(loss)).backward()
         self._step()
 
-    def step_by_rank(self, batches: list[tuple[Any, torch.Tensor]],
-                     keys: list[tuple[int, int]]) -> None:
-        """One optimizer step on these micro-batches as data-parallel ranks sum them, each
-        loss divided by their number: each rank's (``keys``' second element) accumulated on
-        its own, then the ranks' gradients added in rank order. With 2 ranks that is DDP's
-        all-reduce, a + b, bit for bit; accumulated in one sequence, micro-batch after
-        micro-batch, the fp32 sums came in another order (a0 + a1 + b0 + b1 against
-        (a0 + b0) + (a1 + b1))."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        summed: list[torch.Tensor | None] = [None] * len(params)
-        for rank in sorted({share for _, share in keys}):
-            for (x, y), key in zip(batches, keys, strict=True):
-                if key[1] == rank:
-                    loss = self.workload.compute_loss(self.model, to_device(x, self.device),
-                                                      y.to(self.device), key) / len(batches)
-                    (loss if self.scale is None else self.scale(loss)).backward()
-            for k, p in enumerate(params):
-                if p.grad is not None:
-                    summed[k] = p.grad if summed[k] is None else summed[k] + p.grad
-                    p.grad = None
-        for p, grad in zip(params, summed):
-            p.grad = grad
-        self._step()
-
     def optimizer_step(self) -> None:
         """The optimizer step alone, after a backward made outside ``step_on`` (a trace)."""
         self._step()

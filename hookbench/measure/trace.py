@@ -23,13 +23,13 @@ two traces and names the first place they part, with its kind:
                     implementation's arithmetic
 
 ``RankTrace`` traces a rank's steps under an engine or ZeRO-2 (its share of each batch, its
-loss, what reached each collective its backward called, its gradients after them, its
-parameters after each step), and ``locate_ranks`` names where rank 0's steps first parted:
+loss, what the engine handed each collective: DDP's buckets to its comm hook, FSDP2's
+reduce-scatters; its gradients after them, its parameters after each step), and ``locate_ranks`` names where rank 0's steps first parted:
 
     data            the rank's share of the batch
     forward         the loss on the rank's share (kernels at the share's batch size)
-    backward        what reached a collective (its c10d op, in call order) on an identical
-                    forward: the rank's backward, or how the engine packs its gradients
+    backward        what reached a collective (in call order) on an identical forward: the
+                    rank's backward, or how the engine packs its gradients
     collective      the gradients after the collectives, where what reached them is as
                     recorded: the collective's arithmetic
     optimizer step  the parameters after the step from identical synced gradients
@@ -52,7 +52,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from hookbench.core.workload import Workload
@@ -83,7 +82,9 @@ def _mark(value: Any) -> Mark:
     for t in _tensors(value):
         t = t.detach().cpu()
         h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-        h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        # a copy: numpy over a tensor's own storage makes it unresizable (DDP's bucket, which
+        # batched PowerSGD then resizes)
+        h.update(t.reshape(-1).view(torch.uint8).clone().numpy().tobytes())
         if t.numel() and (t.is_floating_point() or t.is_complex()):
             squares += float(t.double().abs().square().sum() if not t.is_complex()
                              else t.abs().double().square().sum())
@@ -244,24 +245,21 @@ def _local(t: Any) -> Any:
     return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
 
 
-class RankTrace(TorchDispatchMode):
-    """A rank's steps, for ``locate_ranks``: entered around each backward (what reaches the
-    process group's collectives, c10d ops, in call order), told each micro-batch
-    (``micro``), the gradients after a synced backward (``synced``) and the parameters after
-    each step (``stepped``). ``steps`` is what a rank returns."""
+class RankTrace:
+    """A rank's steps, for ``locate_ranks``: told what reaches each collective the engine
+    calls (``reach``, in call order), each micro-batch (``micro``), the gradients after a
+    synced backward (``synced``) and the parameters after each step (``stepped``). ``steps``
+    is what a rank returns. Not a dispatch mode over backward: one changes what torch runs
+    (PowerSGD's ``matmul(out=)`` into a bucket view then tries to resize it)."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.steps: list[dict[str, Any]] = []
         self._reached: list[tuple[str, Mark]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace in ("c10d", "_c10d_functional"):
-            tensors = [_local(t) for t in tree_leaves((args, kwargs or {}))
-                       if isinstance(t, torch.Tensor)]
-            if tensors:  # its input, as handed over: an in-place collective overwrites it
-                self._reached.append((func._schema.name, _mark(tensors)))
-        return func(*args, **(kwargs or {}))
+    def reach(self, collective: str, tensors: Any) -> None:
+        """What the engine hands ``collective``, as handed: an in-place one overwrites it."""
+        self._reached.append((collective, _mark([_local(t) for t in tree_leaves(tensors)
+                                                 if isinstance(t, torch.Tensor)])))
 
     def micro(self, batch: Any, loss: torch.Tensor) -> None:
         if not self.steps or "after" in self.steps[-1]:
@@ -315,10 +313,13 @@ def locate_ranks(was: list[dict[str, Any]], now: list[dict[str, Any]]
         if (name := _first(a.get("synced", {}), b.get("synced", {}))) is not None:
             marks = a["synced"].get(name), b["synced"].get(name)
             ops = sorted({op for x in a["micro"] for op, _ in x["reached"]})
+            if not ops:  # what reached them is not observed (ZeRO-2's own reduction)
+                return found("backward or collective", name, "arithmetic of backward on a "
+                             "rank's share or of its collectives", f"the gradient of {name} "
+                             f"after the collectives ({_norms(*marks)})", marks)
             return found("collective", name, f"arithmetic of a collective "
-                         f"({', '.join(ops) or 'none called'})", f"the gradient of {name} "
-                         f"after the collectives, handed what was recorded ({_norms(*marks)})",
-                         marks)
+                         f"({', '.join(ops)})", f"the gradient of {name} after the "
+                         f"collectives, handed what was recorded ({_norms(*marks)})", marks)
         if (name := _first(a["after"], b["after"])) is not None:
             marks = a["after"].get(name), b["after"].get(name)
             return found("optimizer step", name, "arithmetic of the optimizer on a rank",

@@ -131,8 +131,7 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                     loss = zero.scale(loss)
                 elif scaler is not None:
                     loss = scaler.scale(loss)
-                with traced:
-                    loss.backward()
+                loss.backward()
                 traced.micro((x, y), loss)
                 after_backward.append({
                     "param_grads": [n for n, p in model.named_parameters()

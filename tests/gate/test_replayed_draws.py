@@ -115,14 +115,16 @@ def test_a_ranks_row_that_changed_on_the_ranks_says_where():
     gradients after them, the step. Each place changed in turn is the one named."""
     got = workload_checks.zero2([WORKLOAD], traced=True)
     ddp, zero2 = got["drop/engines/ddp"]["ranks_trace"], got["drop/zero2"]["ranks_trace"]
-    assert ddp[0]["micro"][-1]["reached"][0][0] == "c10d::allreduce_"
-    assert {op for op, _ in zero2[0]["micro"][-1]["reached"]} >= {"c10d::reduce_"}
+    assert ddp[0]["micro"][-1]["reached"][0][0] == "bucket 0 to allreduce_hook"
+    assert got["drop/engines/fsdp2_zero2"]["ranks_trace"][0]["micro"][-1]["reached"][0][0] \
+        == "c10d::_reduce_scatter_base_"
+    assert zero2[0]["micro"][-1]["reached"] == []  # its own reduction: not observed apart
     assert trace.locate_ranks(ddp, ddp) is None
     cases = {(1, "micro", 1, "data"): "step 1, data: rank 0's share of micro-batch 1",
              (1, "micro", 0, "loss"): "step 1, forward: rank 0's loss on micro-batch 0",
              (2, "micro", 1, "reached", 0): "step 2, backward: what reached collective 0 "
-                                            "(c10d::allreduce_) on micro-batch 1 after the "
-                                            "recorded forward",
+                                            "(bucket 0 to allreduce_hook) on micro-batch 1 "
+                                            "after the recorded forward",
              (1, "synced", "b.bias"): "step 1, collective: the gradient of b.bias after the "
                                       "collectives, handed what was recorded",
              (1, "after", "a.weight"): "step 1, optimizer step: a.weight updated otherwise"}
@@ -137,4 +139,8 @@ def test_a_ranks_row_that_changed_on_the_ranks_says_where():
         "now": {"drop/engines/ddp": _with(ddp, 0, "synced", "a.bias")}})
     assert row["located"].startswith("on the ranks, first changed at step 0, collective: the "
                                      "gradient of a.bias"), row
-    assert row["located"].endswith("arithmetic of a collective (c10d::allreduce_)"), row
+    assert row["located"].endswith("arithmetic of a collective (bucket 0 to allreduce_hook)")
+    # ZeRO-2's own reduction is not observed apart: backward or collective, said so
+    found = trace.locate_ranks(zero2, _with(zero2, 0, "synced", "shard 0 of the flat gradients"))
+    assert found["words"].startswith("on the ranks, first changed at step 0, backward or "
+                                     "collective: the gradient of shard 0"), found
