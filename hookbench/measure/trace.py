@@ -249,8 +249,8 @@ class RankTrace:
     """A rank's steps, for ``locate_ranks``: told what reaches each collective the engine
     calls (``reach``, in call order), each micro-batch (``micro``), the gradients after a
     synced backward (``synced``) and the parameters after each step (``stepped``). ``steps``
-    is what a rank returns. Not a dispatch mode over backward: one changes what torch runs
-    (PowerSGD's ``matmul(out=)`` into a bucket view then tries to resize it)."""
+    is what a rank returns. The engines tell it where they hand a collective its tensors,
+    rather than a dispatch mode over all of backward, which would call Python on every op."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, Any]] = []
