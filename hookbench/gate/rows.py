@@ -91,6 +91,7 @@ class Row:
     skipped: Why = _never  # a declared optional prerequisite this machine lacks, and which
     only_if: Callable[[Workload], bool] = _always  # a row only some workloads have at all
     checker: Callable[..., verdicts.Checked] | None = None  # a ranks row's checks
+    accumulation: int = 1  # a ranks row's micro-batches per step, each on every rank
 
     def references_for(self, workload: Workload) -> tuple[Reference, ...]:
         return tuple(r for r in self.references if r.when(workload))
@@ -279,20 +280,21 @@ ENGINE_ROWS = (
                    when=lambda w: not _fp32(w), yardstick=True)),
         "data_parallel_bound", ("every bucket reduced once per synced backward, none under "
                                 "no_sync()", "the declared settings run", "ranks agree"),
-        checker=verdicts.ddp_checked),
+        checker=verdicts.ddp_checked, accumulation=ACCUMULATION),
     Row("engines/fsdp2_zero2", "ranks", "FSDP2 reshard_after_forward=False, the same "
         "accumulation under set_requires_gradient_sync", _FSDP2_REFERENCES,
         "data_parallel_bound", _FSDP2_CHECKS, checker=verdicts.fsdp2_checked(False),
-        not_applicable=_engine_not_applicable("fsdp2_zero2")),
+        not_applicable=_engine_not_applicable("fsdp2_zero2"), accumulation=ACCUMULATION),
     Row("engines/fsdp2_zero3", "ranks", "FSDP2 reshard_after_forward=True", _FSDP2_REFERENCES,
         "data_parallel_bound", _FSDP2_CHECKS, checker=verdicts.fsdp2_checked(False),
-        not_applicable=_engine_not_applicable("fsdp2_zero3")),
+        not_applicable=_engine_not_applicable("fsdp2_zero3"), accumulation=ACCUMULATION),
     Row("engines/fsdp2_in_backward", "ranks", "FSDP2 ZeRO-3 with OptimizerInBackward on the "
         "shards", (Reference("engines/fsdp2_zero3", True, _SAME_STEP),), "data_parallel_bound",
         ("no shard gradient left after its step", "shard gradients held at once within the "
          "largest unit's", "ranks agree"),
         refuses=_fsdp2_in_backward_refuses, checker=verdicts.fsdp2_checked(True),
-        not_applicable=_engine_not_applicable("fsdp2_in_backward")),
+        not_applicable=_engine_not_applicable("fsdp2_in_backward"),
+        accumulation=ACCUMULATION),
 )
 
 # Beside the engines in ``hookbench engines`` only: the gate's rows must not depend on an
@@ -307,7 +309,7 @@ PEER_ROWS = (
         "data_parallel_bound", ("the declared config runs", "ranks agree"),
         checker=verdicts.deepspeed_checked,
         not_applicable=_engine_not_applicable("deepspeed_zero2"),
-        skipped=lambda workload: deepspeed.available()),
+        skipped=lambda workload: deepspeed.available(), accumulation=ACCUMULATION),
 )
 
 CAPTURE_ROW = Row(

@@ -35,24 +35,27 @@ reduce-scatters; its gradients after them, its parameters after each step), and 
     optimizer step  the parameters after the step from identical synced gradients
 
 ``rounding_floor`` measures how far kernel rounding alone moves the workload's parameters
-over the same steps: every gradient moved, element by element, by ``KERNEL_ROUNDING_ULPS`` ulps
-of its largest value at each step. A release that changed bits where one kernel rounds
-otherwise (a reordered sum) moves them no further than that; one that changed what is
+over the same steps: every module's output, the gradient reaching it, and every parameter's
+gradient moved, element by element, by ``KERNEL_ROUNDING_ULPS`` ulps of its largest value (a
+ranks row's on the ranks' shares). A release that changed bits where kernels round otherwise
+(a reordered sum) moves them no further than that; one that changed what is
 computed (an epsilon, a mask, a formula) moves the tensor where it first changed by far more
 than a rounding, which ``locate``'s norms show.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import textwrap
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from hookbench.core.workload import Workload
 from hookbench.mechanisms.activation_capture import ActivationCapture
@@ -328,37 +331,44 @@ def locate_ranks(was: list[dict[str, Any]], now: list[dict[str, Any]]
     return None
 
 
-def rounding_floor(workload: Workload, implementation: str = "forloop",
-                   steps: int = STEPS) -> dict[str, float]:
+Micro = Callable[[int], list[tuple[Any, tuple[int, int]]]]  # step -> [(batch, key), ...]
+
+
+def rounding_floor(workload: Workload, implementation: str = "forloop", steps: int = STEPS,
+                   micro: Micro | None = None) -> dict[str, float]:
     """How far kernel rounding alone moves ``workload``'s parameters in ``steps`` standard
     steps of ``implementation`` (as ``trace`` trains them): per parameter, the largest
     |perturbed - clean| element after the last step (``name``), and the float64 L2 norm of
     perturbed - clean (``name#norm``: the most the change can move the norm a baseline
-    stores), where the perturbed run moves
-    every nonzero gradient element, after each backward, by +-``KERNEL_ROUNDING_ULPS`` x eps
-    (``bounds.rounding_eps``) x the gradient's largest |value| (signs from a fixed generator,
-    not torch's default one)."""
+    stores), where the perturbed run moves every module's output and the gradient reaching
+    it (``_rounding_everywhere``) and every parameter's gradient after each backward,
+    element by element, by +-``KERNEL_ROUNDING_ULPS`` x eps (``bounds.rounding_eps``) x the
+    tensor's largest |value| (signs from a fixed generator, not torch's default one).
+
+    ``micro``: step i's micro-batches, each with its key, whose losses are divided by their
+    number (a ranks row: every rank's share, as ``parity``'s ``step_on`` steps on them, so
+    that BatchNorm over a share amplifies a rounding as it does on the ranks); by default
+    the whole batch i."""
     cls, kwargs = workload.optimizer
     eager = workload.replace(compile=None)
+    micro = micro or (lambda i: [(eager.data(i), (i, 0))])
     # an ulp of the lowest precision in play: under bf16 autocast a forward that rounds
     # otherwise moves the fp32 gradients by a bf16 ulp, not a float32 one
     eps = rounding_eps(workload)
     finals = []
     for perturbed in (False, True):
         signs = torch.Generator().manual_seed(0)
-        with training(eager, cls, kwargs, implementation) as run:
+        with training(eager, cls, kwargs, implementation) as run, contextlib.ExitStack() as on:
+            if perturbed:
+                on.enter_context(_rounding_everywhere(run.model, eps, signs))
             for i in range(steps):
-                x, y = eager.data(i)
-                loss = eager.compute_loss(run.model, x, y, (i, 0))
-                (loss if run.scale is None else run.scale(loss)).backward()
+                batches = micro(i)
+                for (x, y), key in batches:
+                    loss = eager.compute_loss(run.model, x, y, key) / len(batches)
+                    (loss if run.scale is None else run.scale(loss)).backward()
                 for p in run.model.parameters() if perturbed else ():
-                    if p.grad is None or not p.grad.is_floating_point() or p.grad.is_sparse:
-                        continue
-                    g = p.grad
-                    ulp = eps * float(g.detach().abs().max())
-                    sign = torch.randint(0, 2, g.shape, generator=signs).to(g) * 2 - 1
-                    # an exact zero stays: a sum of zeros is zero in any order
-                    g.add_(sign * (g != 0) * (KERNEL_ROUNDING_ULPS * ulp))
+                    if p.grad is not None and not p.grad.is_sparse:
+                        p.grad.copy_(_rounded(p.grad, eps, signs))
                 run.optimizer_step()
             finals.append({n: p.detach().double().clone()
                            for n, p in run.model.named_parameters()})
@@ -369,6 +379,43 @@ def rounding_floor(workload: Workload, implementation: str = "forloop",
         # |norm(a) - norm(b)| <= norm(a - b): what the same change may do to a stored norm
         floor[f"{name}#norm"] = float((moved[name] - value).norm())
     return floor
+
+
+def _rounded(t: torch.Tensor, eps: float, signs: torch.Generator) -> torch.Tensor:
+    """``t`` with every nonzero element moved by +-``KERNEL_ROUNDING_ULPS`` x ``eps`` x its
+    largest |value|: what a kernel summing in another order may give (an exact zero stays: a
+    sum of zeros is zero in any order)."""
+    if not t.is_floating_point() or not t.numel():
+        return t
+    ulp = eps * float(t.detach().abs().max())
+    sign = torch.randint(0, 2, t.shape, generator=signs).to(t) * 2 - 1
+    return t + sign * (t != 0) * (KERNEL_ROUNDING_ULPS * ulp)
+
+
+@contextlib.contextmanager
+def _rounding_everywhere(model: nn.Module, eps: float, signs: torch.Generator):
+    """Every module that computes (a leaf, or one with parameters of its own, as
+    ``nn.MultiheadAttention``) returns its output ``_rounded``, and the gradient reaching that
+    output is ``_rounded`` in backward: each kernel of another release rounding otherwise,
+    forward and backward. Where BatchNorm over a small batch amplifies a rounding inside
+    backward, moving the parameters' gradients alone after it misses that (timm's MobileNetV3
+    on a share of 1 image: 792x such a floor on 2.9.1 against 2.6.0)."""
+    def rounded(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            return t
+        t = _rounded(t, eps, signs)
+        if t.requires_grad:
+            t.register_hook(lambda g: _rounded(g, eps, signs))
+        return t
+
+    handles = [m.register_forward_hook(lambda m, args, out: tree_map(rounded, out))
+               for m in model.modules()
+               if not list(m.children()) or any(True for _ in m.parameters(recurse=False))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def _bare(module: nn.Module) -> nn.Module:

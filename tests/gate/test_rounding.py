@@ -143,3 +143,36 @@ def test_the_rounding_floor_is_what_training_makes_of_rounding():
     # under bf16 autocast an ulp is a bf16 one, also for the fp32 gradients it moves
     autocast = trace.rounding_floor(ATTENTION.replace(precision="bf16"))
     assert autocast["out.weight"] > 100 * floor["out.weight"], (autocast, floor)
+
+
+def batchnorm_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+
+
+# BatchNorm over a share of 2 rows (2 ranks, 4 rows a batch) amplifies a rounding far more than
+# over the whole batch (timm's MobileNetV3, torch 2.6.0 -> 2.9.1: its ZeRO-2 row 133x the
+# floor of the whole batch)
+BATCHNORM = Workload(name="bn", model=batchnorm_mlp, batch=lambda g: (
+    torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)),
+    loss=F.cross_entropy, optimizer=(torch.optim.Adam, {"lr": 1e-2}))
+
+
+def test_a_ranks_rows_rounding_floor_is_measured_on_the_ranks_shares(monkeypatch):
+    from hookbench.gate import rows
+
+    assert replay._shares(rows.ROWS["forloop"]) == (1, 1)
+    assert replay._shares(rows.ROWS["zero2"]) == (rows.ZERO2_RANKS, 1)
+    assert replay._shares(rows.ROWS["engines/ddp"]) == (rows.ZERO2_RANKS, 2)
+    whole = replay._floor(BATCHNORM, "forloop", 1, 1)
+    assert whole == trace.rounding_floor(BATCHNORM)
+    shares = replay._floor(BATCHNORM, "forloop", 2, 1)
+    assert shares["0.weight"] > 1000 * whole["0.weight"], (shares, whole)
+    # the gate's locating asks each row for the floor it trains on: a first change that is a
+    # rounding, in the standard step both rows are located in
+    monkeypatch.setattr(trace, "locate", lambda a, b: {
+        "words": "first changed at step 0, backward", "kind": "arithmetic of backward",
+        "norms": (1.0, 1.0)})
+    got = {"bn/forloop": {"sha256": "a"}, "bn/zero2": {"sha256": "b"}}
+    replay._locate(BATCHNORM, got, {"forloop": {}}, {"forloop": {}})
+    assert got["bn/forloop"]["rounding"]["floor"] == whole
+    assert got["bn/zero2"]["rounding"]["floor"] == shares
