@@ -27,8 +27,6 @@ seed fails), each naming the op.
     recording()          a session recording every draw made inside ``pinned``
     replaying(draws)     a session handing the recorded ``draws`` back
     pinned(name, ...)    the context a Workload opens around its build, batch and forward
-    suspended()          nothing pinned inside (a memory measurement)
-    resumed()            pinned again inside ``suspended`` (a probe of what a row applies to)
     ENV                  the variable naming a draws file a spawned rank replays
 """
 
@@ -42,11 +40,10 @@ from collections import Counter, defaultdict
 from typing import Any, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["ENV", "Session", "active", "load", "pinned", "recording", "replaying", "resumed",
-           "save", "suspended"]
+__all__ = ["ENV", "Session", "active", "load", "pinned", "recording", "replaying", "save"]
 
 ENV = "HOOKBENCH_DRAWS"
 # Ops every value of whose output is a draw (given the arguments in the key): replayed by
@@ -116,6 +113,17 @@ class Session(TorchDispatchMode):
             seen["not_replayable"][name] = seen["not_replayable"].get(name, 0) + 1
             return out
         drawn = args[1] if name == _NOISE else out  # what is drawn
+        # the session's keys, copies and comparisons on the host, out of sight of every mode
+        # below it: a memory measurement counts the step's storage, not the session's
+        with _disable_current_modes():
+            if not self._pinned(seen, name, gen, before, drawn, args, kwargs):
+                return out
+        return args[0] * drawn if name == _NOISE else out
+
+    def _pinned(self, seen: dict, name: str, gen: torch.Generator, before: torch.Tensor,
+                drawn: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+        """The draw recorded, or replayed into ``drawn`` in place (True); False where it
+        stays as drawn (recording, or a draw the baseline did not record)."""
         read = args[:1] if name == _NOISE else args[1:] if name.endswith("_") else args
         # what it reads: tensors by their values, numbers as given (normal_'s std: two inits
         # with another std at the same state draw other values; keyed alike, the second got
@@ -128,18 +136,18 @@ class Session(TorchDispatchMode):
         if not self.replaying:
             self.draws.setdefault(key, {"value": drawn.detach().cpu().clone(),
                                         "after": gen.get_state()})
-            return out
+            return False
         recorded = self.draws.get(key)
         if recorded is None:
             seen["not_recorded"][name] = seen["not_recorded"].get(name, 0) + 1
-            return out
-        value = recorded["value"].to(drawn.device)
-        seen["differ"] += not torch.equal(drawn, value)
-        self._observe(seen, name, key, drawn, value, args)
+            return False
+        fresh, value = drawn.detach().cpu(), recorded["value"]
+        seen["differ"] += not torch.equal(fresh, value)
+        self._observe(seen, name, key, fresh, value, args)
         gen.set_state(recorded["after"])
         with torch.no_grad():
-            drawn.copy_(value)
-        return args[0] * drawn if name == _NOISE else out
+            drawn.copy_(value)  # from the host: no device copy of it at the step's peak
+        return True
 
     def _observe(self, seen: dict, name: str, key: str, fresh: torch.Tensor,
                  recorded: torch.Tensor, args: tuple) -> None:
@@ -195,7 +203,7 @@ class Session(TorchDispatchMode):
                 "not_replayable": dict(seen["not_replayable"]), "problems": problems}
 
 
-_ACTIVE: list[Session | None] = []  # None: suspended
+_ACTIVE: list[Session] = []
 
 
 def active() -> Session | None:
@@ -235,7 +243,7 @@ def _session(session: Session) -> Iterator[Session]:
     finally:
         assert _ACTIVE[-1] is session, "sessions are opened and closed in order"
         _ACTIVE.pop()
-        if not any(_ACTIVE):
+        if not _ACTIVE:
             torch.random.fork_rng = _TORCH_FORK_RNG
 
 
@@ -245,31 +253,6 @@ def recording() -> contextlib.AbstractContextManager[Session]:
 
 def replaying(draws: dict[str, dict[str, Any]]) -> contextlib.AbstractContextManager[Session]:
     return _session(Session(draws))
-
-
-@contextlib.contextmanager
-def suspended() -> Iterator[None]:
-    """Nothing pinned inside: a memory measurement, which would count the session's own
-    copies of the draws (what a step allocates does not depend on the values drawn, but for
-    a forward that branches on them)."""
-    _ACTIVE.append(None)
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()
-
-
-@contextlib.contextmanager
-def resumed() -> Iterator[None]:
-    """The session ``suspended`` set aside, again: a probe deciding whether a row applies
-    (which layers a LayerDrop forward skips on each rank) must draw as the rows' steps do, not
-    as this release draws, also when it runs inside a memory measurement."""
-    session = next((s for s in reversed(_ACTIVE) if s is not None), None)
-    if session is None or _ACTIVE[-1] is session:
-        yield
-        return
-    with _session(session):
-        yield
 
 
 @contextlib.contextmanager

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from hookbench.core import draws
 from hookbench.core.workload import Workload
 from hookbench.engines import ddp, deepspeed, fsdp2
 from hookbench.engines.loop import ACCUMULATION
@@ -47,12 +46,7 @@ def _uneven_gradients(workload: Workload, steps: int, world: int) -> str | None:
     forward that skips layers at random, LayerDrop), which: FSDP2 reduce-scatters the
     gradients a rank has, so ranks that differ would send collectives of other sizes and
     hang. Found by one process running each rank's share, as the ranks would, on the draws the
-    rows train on (replayed where the gate replays them, also inside a memory measurement)."""
-    with draws.resumed():
-        return _uneven(workload, steps, world)
-
-
-def _uneven(workload: Workload, steps: int, world: int) -> str | None:
+    rows train on (replayed where the gate replays them)."""
     model = workload.build()
     for index in range(steps * ACCUMULATION):
         sets = []

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from hookbench.core import draws, launch
+from hookbench.core import launch
 from hookbench.core.prerequisites import attempt, one_line, warnings_kept
 from hookbench.core.workload import Workload, describe
 from hookbench.gate.baselines import fingerprint
@@ -646,9 +646,8 @@ def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str
     for w in workloads:
         out.update(capture(w))
         out.update(transform(w))
-        with draws.suspended():  # the session's own copies of the draws are not the step's
-            out.update(memory(w))
-            out.update(engine_memory(w))
+        out.update(memory(w))
+        out.update(engine_memory(w))
     return out
 
 
