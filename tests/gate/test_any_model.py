@@ -105,17 +105,28 @@ def test_memory_falls_back_to_real_tensors_where_fake_ones_cannot_run_the_model(
     assert workload_checks.memory(LAYERDROP) == rows
 
 
-def test_the_gate_compares_a_fallback_row_only_with_its_own_backend():
+def test_the_gate_compares_a_fallback_row_with_fake_bytes_and_a_gpus_with_its_own():
+    # fake and real CPU tensors are one tracker, exact on both (tests/measure/test_memory.py):
+    # a torch whose meta kernels refuse the model is compared on the bytes, saying so
     now = workload_checks.memory(LAYERDROP)
     key = "layerdrop/memory/foreach"
     same = workload_checks.judge(now, now, Run())
     assert same.ok
     recorded_on_fake = {**now, key: {**now[key], "backend": "fake"}}
     moved = workload_checks.judge(recorded_on_fake, now, Run())
-    failed = [cells for cells, verdict in moved.rows if not verdict]
+    assert moved.ok
+    words = next(cells[-1] for cells, _ in moved.rows if cells[0] == key)
+    assert words.endswith(f", backend eager: CHANGED backend: recorded on fake, measured now "
+                          f"on eager, the same tracker: identical ({now[key]['fallback']})")
+    smaller = {**now, key: {**now[key], "backend": "fake", "peak": now[key]["peak"] - 4096}}
+    failed = [cells for cells, ok in workload_checks.judge(smaller, now, Run()).rows if not ok]
     assert [cells[0] for cells in failed] == [key]
-    assert failed[0][1].endswith(f", backend eager: CHANGED backend: recorded on fake, "
-                                 f"measured now on eager ({now[key]['fallback']})")
+    assert "the same tracker: EXCEEDED: peak" in failed[0][-1]
+    on_a_gpu = {**now, key: {**now[key], "backend": "cuda"}}
+    failed = [cells for cells, ok in workload_checks.judge(on_a_gpu, now, Run()).rows if not ok]
+    assert [cells[0] for cells in failed] == [key]
+    assert failed[0][-1].endswith(f", backend eager: CHANGED backend: recorded on cuda, "
+                                  f"measured now on eager ({now[key]['fallback']})")
 
 
 def test_torch_error_log_goes_into_the_row_not_onto_the_terminal(capfd):
