@@ -685,12 +685,11 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
             # torch whose meta kernels refuse the model moves it to real ones: mixtral's
             # torch._grouped_mm on 2.9.1), a GPU's allocator is another
             was, now_on = (rec or {}).get("backend", "fake"), value.get("backend", "fake")
-            ok, verdict = (memory_verdict(rec, value, "fake") if {was, now_on} <= {
-                "fake", "eager"} else (False, "CHANGED backend"))
+            comparable = was == now_on or {was, now_on} <= {"fake", "eager"}
+            ok, verdict = memory_verdict(rec, value, "fake") if comparable else (False, "")
             if was != now_on:
                 verdict = (f"CHANGED backend: recorded on {was}, measured now on {now_on}"
-                           + (f", the same tracker: {verdict}" if was != "cuda" != now_on
-                              else ""))
+                           + (f", the same tracker: {verdict}" if comparable else ""))
             fallback = f" ({value['fallback']})" if value.get("fallback") else ""
             section.add(ok, key, f"peak {amount(value['peak'])}, backend {now_on}: "
                                  f"{verdict}{fallback}"

@@ -123,6 +123,7 @@ def test_the_gate_compares_a_fallback_row_with_fake_bytes_and_a_gpus_with_its_ow
     assert [cells[0] for cells in failed] == [key]
     assert "the same tracker: EXCEEDED: peak" in failed[0][-1]
     on_a_gpu = {**now, key: {**now[key], "backend": "cuda"}}
+    assert workload_checks.judge(on_a_gpu, on_a_gpu, Run()).ok  # like with like
     failed = [cells for cells, ok in workload_checks.judge(on_a_gpu, now, Run()).rows if not ok]
     assert [cells[0] for cells in failed] == [key]
     assert failed[0][-1].endswith(f", backend eager: CHANGED backend: recorded on cuda, "
