@@ -106,12 +106,14 @@ def ddp_beside(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def ddp_order(workload: Workload, optimizer_class: type, kwargs: dict[str, Any], steps: int,
               world: int, accumulation: int) -> list[Snapshot]:
     """The standard for-loop step on the ranks' shares summed in DDP's order: each rank's
-    micro-batches first (what it accumulates under ``no_sync()``), then the ranks. On 2 ranks
-    that is DDP's arithmetic bit for bit (a + b = b + a, the scalings by powers of 2 exact),
-    where ``single_process``'s order (every share of a micro-batch, then the next) is another
-    legal one: BatchNorm CNNs drift 493x to 7.3e6x the tolerance apart in fp32, a pure-bf16
-    decoder 258x, and without FSDP2 (2.4.1 to 2.6.0 cannot train it on CPU ranks) nothing
-    else confirmed it."""
+    micro-batches first (what it accumulates under ``no_sync()``, each loss divided by the
+    micro-batches as the engines' loop divides it), divided by the ranks and summed (DDP's
+    bucket: divide, then all-reduce). On 2 ranks that is DDP's arithmetic bit for bit (a + b
+    = b + a; scaling the loss otherwise is not exact in fp16, whose gradients reach
+    subnormals), where ``single_process``'s order (every share of a micro-batch, then the
+    next) is another legal one: BatchNorm CNNs drift 493x to 7.3e6x the tolerance apart in
+    fp32, a pure-bf16 decoder 258x, and without FSDP2 (2.4.1 to 2.6.0 cannot train it on CPU
+    ranks) nothing else confirmed it."""
     with training(workload, optimizer_class, kwargs, "forloop") as run:
         snapshots = []
         for i in range(steps):
@@ -120,11 +122,12 @@ def ddp_order(workload: Workload, optimizer_class: type, kwargs: dict[str, Any],
                 for m in range(accumulation):
                     key = (i * accumulation + m, r)
                     x, y = zero2_runs.local_batch(workload, *key, world, "cpu")
-                    loss = workload.compute_loss(run.model, x, y, key) / (world * accumulation)
+                    loss = workload.compute_loss(run.model, x, y, key) / accumulation
                     (loss if run.scale is None else run.scale(loss)).backward()
                 for p in run.model.parameters():  # this rank's accumulated gradient
                     if p.grad is not None:
-                        summed[p] = p.grad if p not in summed else summed[p] + p.grad
+                        g = p.grad / world
+                        summed[p] = g if p not in summed else summed[p] + g
                         p.grad = None
             for p, g in summed.items():
                 p.grad = g
