@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
 from hookbench.core.workload import Workload
@@ -388,7 +389,10 @@ def _rounded(t: torch.Tensor, eps: float, signs: torch.Generator) -> torch.Tenso
     if not t.is_floating_point() or not t.numel():
         return t
     ulp = eps * float(t.detach().abs().max())
-    sign = torch.randint(0, 2, t.shape, generator=signs).to(t) * 2 - 1
+    # the floor's own draws, out of the sight of a draws session replaying the workload's
+    # (it would name them as draws the baseline lacks)
+    with _disable_current_modes():
+        sign = torch.randint(0, 2, t.shape, generator=signs).to(t) * 2 - 1
     return t + sign * (t != 0) * (KERNEL_ROUNDING_ULPS * ulp)
 
 
