@@ -33,6 +33,8 @@ reduction (a wrong slice, a bf16 round trip) fails at once, however noisy the mo
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,8 +51,8 @@ from hookbench.measure.parity import (NoiseBounds, Snapshot, Tolerance, compare,
                                       parameters_only, rounding_level, training)
 
 __all__ = ["ENGINE_RUNS", "Held", "Key", "Measured", "against_ddp", "against_single",
-           "arithmetic_differs", "confirmed", "ddp_beside", "ddp_order", "floor_bounds", "gathered",
-           "largest", "measure", "noise_floor", "ranks", "single_process"]
+           "arithmetic_differs", "confirmed", "ddp_beside", "ddp_order", "floor_bounds",
+           "gathered", "largest", "measure", "noise_floor", "ranks", "single_process"]
 
 # A case's address in a launch: (workload, row, case), e.g. ("mlp", "engines/ddp", "ddp")
 Key = tuple[str, str, str]
@@ -179,7 +181,9 @@ class Measured:
     rounding: list[Snapshot] | None
     why: str
     mixed: dict[tuple[torch.dtype, torch.dtype], list[Snapshot]] = field(default_factory=dict)
-    ddp_order: list[Snapshot] | None = None  # ``ddp_order``'s, where micro-batches accumulate
+    # ``ddp_order``'s parameters where micro-batches accumulate, measured on first call: only
+    # a DDP row further from ``single`` than its tolerance needs them
+    ddp_order: Callable[[], list[Snapshot]] | None = None
 
 
 def measure(workload: Workload, kwargs: dict[str, Any], steps: int, world: int,
@@ -197,9 +201,13 @@ def measure(workload: Workload, kwargs: dict[str, Any], steps: int, world: int,
         mixed_steps = {dtypes: zero2_runs.mixed_reference(
             workload, cls, kwargs, steps, world, *dtypes, accumulation=accumulation,
             clipping=workload.clip_grad_norm or 0.0)["master_steps"] for dtypes in mixed}
-        ordered = (ddp_order(workload, cls, kwargs, steps, world, accumulation)
-                   if accumulation > 1 else None)
-    return Measured(single, rounding, why, mixed_steps, ordered)
+
+    @functools.cache
+    def ordered() -> list[Snapshot]:
+        with launch.rank_threads():
+            return ddp_order(workload, cls, kwargs, steps, world, accumulation)
+
+    return Measured(single, rounding, why, mixed_steps, ordered if accumulation > 1 else None)
 
 
 def noise_floor(a: list[Snapshot], b: list[Snapshot]) -> list[Snapshot]:
@@ -305,17 +313,17 @@ def against_single(run: list[Snapshot], single: list[Snapshot],
 
 def confirmed(ddp: list[Snapshot], peer: list[Snapshot] | None, single: list[Snapshot],
               rounding: list[Snapshot] | None, tol: Tolerance, dtype: str,
-              ordered: list[Snapshot] | None = None) -> Held:
+              ordered: Callable[[], list[Snapshot]] | None = None) -> Held:
     """DDP's own run against the single process: within ``tol`` and the rounding-level bounds;
     where it is further, it holds if it is bit for bit the single process in DDP's order
-    (``ordered``, ``ddp_order``: the same arithmetic, so the distance is the order's), else
+    (``ordered()``, ``ddp_order``: the same arithmetic, so the distance is the order's), else
     only if ``peer`` (FSDP2 ZeRO-2: another order of the sums on other tensors) drifts from
     the single process too, and stays within ``FLOOR_FACTOR`` x the noise floor |DDP - single
     process| of DDP: no engine does DDP's arithmetic, so a DDP that is wrong where FSDP2 is
     right fails."""
     result = compare(ddp, single, tol, rounding)
     words = f"vs one process on the ranks' shares: {result.verdict()}"
-    if not result.ok and ordered is not None and compare(ddp, ordered).bit_exact:
+    if not result.ok and ordered is not None and compare(ddp, ordered()).bit_exact:
         return Held(f"vs one process on the ranks' shares: {result.ratio:.3g}x the "
                     f"tolerance, another legal {dtype} order: bit-exact with one process "
                     f"summing each rank's micro-batches first, then the ranks (DDP's order)",

@@ -49,8 +49,8 @@ import contextlib
 import copy
 import hashlib
 import textwrap
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch

@@ -245,9 +245,9 @@ def test_ddp_far_from_one_process_holds_as_one_process_in_ddps_order(without_fsd
 
 def test_ddp_order_excuses_only_a_run_that_is_it_bit_for_bit():
     single, ddp = _snapshots(1.0, 1.0), _snapshots(1.0, 1.5)
-    held = references.confirmed(ddp, None, single, None, T, "fp32", ordered=ddp)
+    held = references.confirmed(ddp, None, single, None, T, "fp32", ordered=lambda: ddp)
     assert held.ok and "bit-exact with one process summing each rank's" in held.words
     # one ulp away from DDP's order, and no FSDP2 to confirm the drift: the row fails
     off = _snapshots(1.0, float(torch.nextafter(torch.tensor(1.5), torch.tensor(2.0))))
-    held = references.confirmed(off, None, single, None, T, "fp32", ordered=ddp)
+    held = references.confirmed(off, None, single, None, T, "fp32", ordered=lambda: ddp)
     assert not held.ok and held.words.startswith("vs one process on the ranks' shares: FAIL")
