@@ -171,6 +171,13 @@ def judge_row(entry: Row, runs: Runs) -> dict[str, Any]:
         yard = runs.snapshots("DDP on the same shares")
         out["noise_floor"] = (references.largest(references.noise_floor(
             yard, runs.measured.single)) if isinstance(yard, list) else None)
+        # and, where that distance is beyond the atol (the only place it can grow past the
+        # recorded one and the atol), whether DDP is one process in DDP's order to the bit: its
+        # reduction proven exact on this torch, whatever the two orders' distance (cached: a
+        # DDP row further than its tolerance measured it already)
+        ordered = runs.measured.ddp_order
+        if ordered is not None and max(out["noise_floor"] or [0.0]) > runs.tol.atol:
+            out["ddp_order"] = compare(yard, ordered()).bit_exact
     # 5. the words
     out["parity"] = "; ".join(words + checked.words)
     return out

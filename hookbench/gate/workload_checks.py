@@ -611,20 +611,27 @@ def engine_memory(workload: Workload) -> dict[str, dict[str, Any]]:
     return out
 
 
-def yardstick_problem(rec: dict | None, value: dict) -> str | None:
-    """Where a row's yardstick (``noise_floor``, per step) outgrew the recorded one by more
-    than ``YARDSTICK_HEADROOM`` and its atol: the words; else None (or nothing recorded)."""
+def yardstick(rec: dict | None, value: dict) -> tuple[bool, str]:
+    """Whether a row's yardstick (``noise_floor``, per step) holds the recorded one: within
+    ``YARDSTICK_HEADROOM`` x it and the row's atol, or grown where DDP is bit for bit one
+    process in DDP's order on this torch (``ddp_order``: its reduction exact, so the two legal
+    orders moved apart on this torch's kernels, as BatchNorm over one image a rank amplifies a
+    rounding); and the words where it grew ("" where it did not, or nothing is recorded)."""
     was, now = (rec or {}).get("noise_floor"), value.get("noise_floor")
     if not was or not now:
-        return None
+        return True, ""
     atol = (value.get("tolerance") or {}).get("atol", 0.0)
     over = [(step, n, w) for step, (w, n) in enumerate(zip(was, now))
             if n > YARDSTICK_HEADROOM * w + atol]
     if not over:
-        return None
+        return True, ""
     step, n, w = over[0]
-    return (f"YARDSTICK GREW: DDP is {n:.3g} from one process at step {step}, more than "
-            f"{YARDSTICK_HEADROOM:g}x the {w:.3g} recorded on the trusted torch + atol {atol:g}")
+    words = (f"YARDSTICK GREW: DDP is {n:.3g} from one process at step {step}, more than "
+             f"{YARDSTICK_HEADROOM:g}x the {w:.3g} recorded on the trusted torch + atol {atol:g}")
+    if value.get("ddp_order"):
+        return True, (f"{words}; DDP is bit-exact with one process in DDP's order on this "
+                      f"torch: its reduction is exact, the two legal orders moved apart")
+    return False, words
 
 
 def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str, Any]:
@@ -710,9 +717,9 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
             if not ok and value.get("rounding") and rec and "final" in rec:
                 ok, verdict = replay.within_rounding(rec, value, tol and Tolerance(**tol),
                                                      run.machine_note)
-            drift = yardstick_problem(rec, value)
-            changed = not ok or drift is not None or "identical" not in verdict
-            section.add(ok and drift is None, key, "; ".join(filter(None, (
+            held, drift = yardstick(rec, value)
+            changed = not ok or bool(drift) or "identical" not in verdict
+            section.add(ok and held, key, "; ".join(filter(None, (
                 verdict, drift, value.get("parity"),
                 changed and replay.located(value, run.machine_note)))))
     say_warnings(section, now)

@@ -241,6 +241,8 @@ def test_ddp_far_from_one_process_holds_as_one_process_in_ddps_order(without_fsd
                       r"one process summing each rank's micro-batches first, then the ranks "
                       r"\(DDP's order\)", row["parity"])
     assert drift and float(drift[1]) > 10, row["parity"]
+    # what a later torch's grown yardstick is excused by: kept with the row
+    assert row["ddp_order"] is True and max(row["noise_floor"]) > row["tolerance"]["atol"]
 
 
 def test_ddp_order_excuses_only_a_run_that_is_it_bit_for_bit():
