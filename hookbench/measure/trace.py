@@ -317,7 +317,7 @@ def locate_ranks(was: list[dict[str, Any]], now: list[dict[str, Any]]
         if (name := _first(a.get("synced", {}), b.get("synced", {}))) is not None:
             marks = a["synced"].get(name), b["synced"].get(name)
             ops = sorted({op for x in a["micro"] for op, _ in x["reached"]})
-            if not ops:  # what reached them is not observed (ZeRO-2's own reduction)
+            if not ops:  # no engine told what reached them: not told apart
                 return found("backward or collective", name, "arithmetic of backward on a "
                              "rank's share or of its collectives", f"the gradient of {name} "
                              f"after the collectives ({_norms(*marks)})", marks)

@@ -22,6 +22,7 @@ from hookbench.measure.faults import run_under
 from hookbench.measure.memory import measure
 from hookbench.measure.parity import compare
 from hookbench.measure.trace import RankTrace
+from hookbench.mechanisms import zero2 as zero2_mechanism
 from hookbench.mechanisms.zero2 import Zero2
 from hookbench.models.zoo import TinySpec
 
@@ -67,6 +68,24 @@ def rank_device(rank: int) -> str:
         torch.cuda.set_device(rank % torch.cuda.device_count())
         return f"cuda:{torch.cuda.current_device()}"
     return "cpu"
+
+
+@contextlib.contextmanager
+def _reaching(traced: RankTrace):
+    """Tell ``traced`` what ZeRO-2 hands each reduction of a backward (the mechanism's
+    module-level ``reduce_to_owner``, as a fault may have replaced it): so that a change
+    located on the ranks is told apart, in backward or in the collective."""
+    handed = zero2_mechanism.reduce_to_owner
+
+    def reduce(chunk: torch.Tensor, owner: int, group: Any) -> None:
+        traced.reach(f"reduce to rank {owner}", chunk)
+        handed(chunk, owner, group)
+
+    zero2_mechanism.reduce_to_owner = reduce
+    try:
+        yield
+    finally:
+        zero2_mechanism.reduce_to_owner = handed
 
 
 def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: dict,
@@ -131,7 +150,8 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                     loss = zero.scale(loss)
                 elif scaler is not None:
                     loss = scaler.scale(loss)
-                loss.backward()
+                with _reaching(traced):
+                    loss.backward()
                 traced.micro((x, y), loss)
                 after_backward.append({
                     "param_grads": [n for n, p in model.named_parameters()

@@ -118,7 +118,9 @@ def test_a_ranks_row_that_changed_on_the_ranks_says_where():
     assert ddp[0]["micro"][-1]["reached"][0][0] == "bucket 0 to allreduce_hook"
     assert got["drop/engines/fsdp2_zero2"]["ranks_trace"][0]["micro"][-1]["reached"][0][0] \
         == "c10d::_reduce_scatter_base_"
-    assert zero2[0]["micro"][-1]["reached"] == []  # its own reduction: not observed apart
+    # ZeRO-2's own reductions: what it hands each, to the rank that owns the bucket
+    ops = [op for op, _ in zero2[0]["micro"][-1]["reached"]]
+    assert set(ops) == {"reduce to rank 0", "reduce to rank 1"}, ops
     assert trace.locate_ranks(ddp, ddp) is None
     cases = {(1, "micro", 1, "data"): "step 1, data: rank 0's share of micro-batch 1",
              (1, "micro", 0, "loss"): "step 1, forward: rank 0's loss on micro-batch 0",
@@ -140,7 +142,11 @@ def test_a_ranks_row_that_changed_on_the_ranks_says_where():
     assert row["located"].startswith("on the ranks, first changed at step 0, collective: the "
                                      "gradient of a.bias"), row
     assert row["located"].endswith("arithmetic of a collective (bucket 0 to allreduce_hook)")
-    # ZeRO-2's own reduction is not observed apart: backward or collective, said so
+    # ZeRO-2's own reduction, observed apart: what reached it, or what it made of that
+    found = trace.locate_ranks(zero2, _with(zero2, 0, "micro", 0, "reached", 0))
+    assert found["words"].startswith(f"on the ranks, first changed at step 0, backward: what "
+                                     f"reached collective 0 ({ops[0]})"), found
     found = trace.locate_ranks(zero2, _with(zero2, 0, "synced", "shard 0 of the flat gradients"))
-    assert found["words"].startswith("on the ranks, first changed at step 0, backward or "
-                                     "collective: the gradient of shard 0"), found
+    assert found["words"].startswith("on the ranks, first changed at step 0, collective: the "
+                                     "gradient of shard 0"), found
+    assert found["kind"] == "arithmetic of a collective (reduce to rank 0, reduce to rank 1)"
