@@ -23,8 +23,12 @@ build under ``torch.device("meta")`` (the fake memory backend, parameter counts 
 read from that), and the ZeRO-2 checks pickle the workload into spawned ranks: use
 module-level functions there, not lambdas.
 
-``batch`` returns ``(inputs, target)``: inputs a tensor (``model(x)``), a tuple of tensors
-(``model(*x)``) or a dict of them (``model(**x)``: ``input_ids``, ``attention_mask``, ...).
+``batch`` returns ``(inputs, target)``: inputs a tensor (``model(x)``), a tuple
+(``model(*x)``) or a dict (``model(**x)``: ``input_ids``, ``attention_mask``, ...); target what
+``loss(output, target)`` takes. Both nest lists, tuples and dicts of tensors, and the ranks
+each get their share along the batch (``cut``): a tensor's first dimension, and a list's items,
+a list being a batch of samples (a detector's images of different sizes, its target dicts);
+tuples and dicts are structure, looked into. Every batch axis must have the same rows.
 
 Options (one field each):
     precision      "fp32"; "bf16": forward and loss under ``torch.autocast(dtype=bfloat16)``;
@@ -118,6 +122,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 import torch.utils.checkpoint
+from torch.utils._pytree import tree_map_only
 
 try:  # not a dependency of torch's: where it is absent, no model can draw from it
     import numpy as np
@@ -279,11 +284,12 @@ class Workload:
             raise TypeError(f"Workload {self.name!r}: batch(generator) must return "
                             f"(inputs, target), got {type(got).__name__}")
         inputs, target = got
-        tensors = (inputs.values() if isinstance(inputs, dict) else
-                   inputs if isinstance(inputs, tuple) else (inputs,))
-        if not all(torch.is_tensor(t) for t in (*tensors, target)):
-            raise TypeError(f"Workload {self.name!r}: inputs must be a tensor, a tuple of "
-                            f"tensors or a dict of them, and target a tensor")
+        for what, value in (("inputs", inputs), ("target", target)):
+            odd = next((f"{path}: {type(leaf).__name__}" for path, leaf in _leaves(value, what)
+                        if not torch.is_tensor(leaf)), None)
+            if odd:
+                raise TypeError(f"Workload {self.name!r}: inputs and target must be tensors, "
+                                f"or lists, tuples and dicts of them (nested), got {odd}")
         if self.pure is not None:  # what a pure-bf16 model is fed; token ids stay as they are
             inputs = _apply(inputs, lambda t: t.to(self.pure) if t.is_floating_point() else t)
         return inputs, target
@@ -321,18 +327,18 @@ class Workload:
         call = self._call
         at = f" at batch {index}" if index else ""
         inputs, target = call(f"batch(generator){at}", self.data, index)
-        rows = len(target) if target.dim() else 0
+        axes = [*batch_axes(target, "target"), *batch_axes(inputs, "inputs")]
+        rows = axes[0][1] if axes else 0
         if rows % shares or rows < shares:
-            raise ValueError(f"workload {self.name!r}: batch(generator) gives a target of "
-                             f"{rows} rows, which does not split over {shares} data-parallel "
-                             f"ranks; make the batch a multiple of {shares}")
-        named = (inputs.items() if isinstance(inputs, dict) else enumerate(
-            inputs if isinstance(inputs, tuple) else (inputs,)))
-        for key, t in named:
-            if t.dim() == 0 or len(t) != rows:
-                raise ValueError(f"workload {self.name!r}: batch(generator)'s input {key!r} "
-                                 f"has shape {tuple(t.shape)}, the target {rows} rows: each "
-                                 f"input is cut along its first dimension for the ranks")
+            raise ValueError(f"workload {self.name!r}: batch(generator) gives a batch of "
+                             f"{rows} rows ({axes[0][0] if axes else 'no tensor'}), which "
+                             f"does not split over {shares} data-parallel ranks; make the "
+                             f"batch a multiple of {shares}")
+        for path, n in axes:
+            if n != rows:
+                raise ValueError(f"workload {self.name!r}: batch(generator)'s {path} has "
+                                 f"{n} rows, {axes[0][0]} {rows}: each is cut along its batch "
+                                 f"(a tensor's first dimension, a list's items) for the ranks")
         with self.forward_rng(index), self.autocast("cpu"):
             output = call(f"the model's forward{at}", self.forward, model, inputs)
             loss = call(f"loss(output, target){at}", self.loss, output, target)
@@ -351,7 +357,8 @@ class Workload:
 
     @property
     def batch_size(self) -> int:
-        return len(self.data(0)[1])
+        axes = batch_axes(self.data(0), "batch")
+        return axes[0][1] if axes else 0
 
     def optimizer_params(self, model: nn.Module) -> list[dict[str, Any]] | None:
         """The param groups ``param_groups(model)`` returns, or None: every parameter."""
@@ -407,7 +414,7 @@ class Workload:
                      key: tuple[int, int] | None = None) -> torch.Tensor:
         """Forward and loss under the precision's autocast; with ``key`` (batch index, share)
         on the RNG ``forward_rng`` seeds for it."""
-        device = target.device
+        device = next((t.device for _, t in _leaves((target, inputs), "batch")), "cpu")
         rng = contextlib.nullcontext() if key is None else self.forward_rng(*key, device=device)
         offload = (contextlib.nullcontext() if self.offload is None else ActivationOffload(
             model, compress=None if self.offload == "lossless" else self.offload))
@@ -633,17 +640,51 @@ def checkpointed(model: nn.Module, selector: Any) -> list[nn.Module]:
 
 
 def to_device(inputs: Any, device: str | torch.device) -> Any:
-    """Inputs (a tensor, a tuple of tensors or a dict of them) on ``device``."""
+    """Inputs (tensors, nested in lists, tuples and dicts) on ``device``."""
     return _apply(inputs, lambda t: t.to(device))
 
 
 def _apply(inputs: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``fn`` on each tensor of inputs (a tensor, a tuple of tensors or a dict of them)."""
-    if isinstance(inputs, dict):
-        return {k: fn(t) for k, t in inputs.items()}
-    if isinstance(inputs, tuple):
-        return tuple(fn(t) for t in inputs)
-    return fn(inputs)
+    """``fn`` on each tensor of inputs (nested in lists, tuples and dicts)."""
+    return tree_map_only(torch.Tensor, fn, inputs)
+
+
+def _leaves(value: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """Each leaf of ``value`` (lists, tuples and dicts looked into) with its path in words."""
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _leaves(item, f"{path}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaves(item, f"{path}[{key!r}]")
+    else:
+        yield path, value
+
+
+def batch_axes(value: Any, path: str = "batch") -> list[tuple[str, int]]:
+    """Each batch axis of ``value`` with its rows, in order: a tensor's first dimension (0 for
+    a scalar, which cannot be cut), a list's items (a batch of samples, not looked into);
+    tuples and dicts are structure, looked into."""
+    if isinstance(value, list):
+        return [(path, len(value))]
+    if isinstance(value, (tuple, dict)):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        return [axis for key, item in items for axis in batch_axes(
+            item, f"{path}[{key!r}]" if isinstance(value, dict) else f"{path}[{key}]")]
+    return [(path, len(value) if value.dim() else 0)]
+
+
+def cut(value: Any, share: slice) -> Any:
+    """``value``'s rows ``share`` along every batch axis (``batch_axes``): a tensor's, a
+    list's items; tuples (named ones too) and dicts keep their structure."""
+    if isinstance(value, (list, torch.Tensor)):
+        return value[share]
+    if isinstance(value, dict):
+        return type(value)((k, cut(v, share)) for k, v in value.items())
+    if isinstance(value, tuple):
+        items = [cut(v, share) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)
+    raise TypeError(f"cannot cut {type(value).__name__} along a batch")
 
 
 def of(spec: Any) -> Workload:

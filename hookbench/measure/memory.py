@@ -461,7 +461,7 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
     def one_step(index: int) -> None:
         tracker.phase = "data"
         x, y = spec.data(index)
-        x, y = to_device(x, device), y.to(device)
+        x, y = to_device(x, device), to_device(y, device)
         tracker.phase = "forward"
         # on the random numbers of this batch (dropout, LayerDrop), the same for every
         # strategy and every run: a forward whose path is random allocates alike

@@ -244,7 +244,7 @@ class Training:
         (``Workload.forward_rng``)."""
         for (x, y), key in zip(batches, keys, strict=True):
             loss = self.workload.compute_loss(self.model, to_device(x, self.device),
-                                              y.to(self.device), key) / len(batches)
+                                              to_device(y, self.device), key) / len(batches)
             (loss if self.scale is None else self.scale(loss)).backward()
         self._step()
 

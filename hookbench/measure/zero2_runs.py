@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from hookbench.core.workload import of, to_device
+from hookbench.core.workload import batch_axes, cut, of, to_device
 from hookbench.measure.faults import run_under
 from hookbench.measure.memory import measure
 from hookbench.measure.parity import compare
@@ -53,14 +53,16 @@ def trajectories(rank: int, world: int, cases: list[dict[str, Any]]) -> list[dic
 
 def local_batch(spec: Any, index: int, rank: int, world: int, device: str):
     """This rank's share of global batch ``index`` of ``spec`` (a Workload or a TinySpec):
-    every input tensor and the target cut along their first dimension."""
+    inputs and target cut along every batch axis (``workload.cut``: a tensor's first
+    dimension, a list's items)."""
     x, y = of(spec).data(index)
-    if len(y) % world:
-        raise ValueError(f"batch of {len(y)} does not split over {world} ranks")
-    b = len(y) // world
+    axes = batch_axes((y, x))
+    rows = axes[0][1] if axes else 0
+    if rows % world:
+        raise ValueError(f"batch of {rows} does not split over {world} ranks")
+    b = rows // world
     share = slice(rank * b, (rank + 1) * b)
-    x = tree_map(lambda t: t[share], x)  # a tensor, a tuple or a dict of them
-    return to_device(x, device), y[share].to(device)
+    return to_device(cut(x, share), device), to_device(cut(y, share), device)
 
 
 def rank_device(rank: int) -> str:

@@ -141,8 +141,9 @@ def test_build_and_data_are_deterministic_and_leave_the_rng_alone():
 
 @pytest.mark.parametrize("returns, words", [
     (lambda g: torch.zeros(2), "must return \\(inputs, target\\)"),
-    (lambda g: ([torch.zeros(2)], torch.zeros(2)),
-     "inputs must be a tensor, a tuple of tensors or a dict"),
+    (lambda g: ([torch.zeros(2), 1.0], torch.zeros(2)),
+     r"inputs and target must be tensors, or lists, tuples and dicts of them \(nested\), got "
+     r"inputs\[1\]: float"),
 ])
 def test_a_batch_of_the_wrong_shape_is_refused(returns, words):
     with pytest.raises(TypeError, match=words):

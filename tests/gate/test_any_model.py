@@ -225,8 +225,8 @@ BROKEN = {
             "workload 'layerdrop': loss(output, target) is nan on batch 0, before any step: "
             "nothing can be compared (check the model's initialisation and inputs)"),
     "split": (LAYERDROP.replace(batch=lambda g: (torch.randn(3, 6), torch.zeros(3).long())),
-              "workload 'layerdrop': batch(generator) gives a target of 3 rows, which does not "
-              "split over 2 data-parallel ranks; make the batch a multiple of 2"),
+              "workload 'layerdrop': batch(generator) gives a batch of 3 rows (target), which "
+              "does not split over 2 data-parallel ranks; make the batch a multiple of 2"),
     "factory": (LAYERDROP.replace(model=_raises), "workload 'layerdrop': model() raised "
                 "ZeroDivisionError: a typo in the factory"),
     "batch": (LAYERDROP.replace(batch=_bad_batch),
