@@ -162,7 +162,7 @@ class Session(TorchDispatchMode):
         params = ",".join(f"{a:.6g}" for a in args[1:] if isinstance(a, (int, float)))
         s = seen["stats"][f"{name}({params})"]
         for i, t in ((0, fresh), (3, recorded)):
-            x = t.detach().double()
+            x = (torch.view_as_real(t.detach()) if t.is_complex() else t.detach()).double()
             s[i] += x.numel()
             s[i + 1] += float(x.sum())
             s[i + 2] += float((x * x).sum())

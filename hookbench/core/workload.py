@@ -306,7 +306,12 @@ class Workload:
         long)."""
         eager = self.replace(compile=None)
         dtype = self._call("model()", lambda: self.parameter_dtype)
-        if self.pure is None and dtype not in (torch.float32, torch.float64):
+        if self.pure is not None and any(d.is_complex for d in self.parameter_dtypes_built):
+            raise ValueError(f"workload {self.name!r}: model() builds complex parameters under "
+                             f"precision={self.precision!r}; torch has no complex "
+                             f"{str(self.pure).removeprefix('torch.')} to cast them to: train "
+                             f"them in 'fp32' (complex64), or autocast ('bf16', 'fp16')")
+        if self.pure is None and dtype.to_real() not in (torch.float32, torch.float64):
             # float32's tolerances would be a whole bf16 rounding too tight
             raise ValueError(f"workload {self.name!r}: model() builds parameters in "
                              f"{str(dtype).removeprefix('torch.')} under precision="
@@ -396,6 +401,18 @@ class Workload:
             return self.pure
         with torch.device("meta"):
             return next(self.model().parameters()).dtype
+
+    @property
+    def parameter_dtypes_built(self) -> set[torch.dtype]:
+        """The dtypes of the trainable parameters ``model()`` builds (complex ones beside real
+        ones in a Fourier layer), before a pure precision casts them."""
+        with torch.device("meta"):
+            return {p.dtype for p in self.model().parameters() if p.requires_grad}
+
+    @property
+    def parameter_dtypes(self) -> set[torch.dtype]:
+        """The dtypes of the trainable parameters as trained."""
+        return {self.pure} if self.pure is not None else self.parameter_dtypes_built
 
     def autocast(self, device: str | torch.device) -> contextlib.AbstractContextManager:
         """The precision's autocast region for forward and loss (nothing for fp32 and the

@@ -209,6 +209,35 @@ def called_outside(workload: Any, fake: bool = False) -> frozenset[str]:
     return _probe(workload, fake)[0]
 
 
+def mixed_unit(workload: Any) -> str | None:
+    """Where a unit FSDP2 would shard (``chosen_units``, or the root) holds trainable
+    parameters of more than one dtype (a Fourier layer's complex weights beside real ones):
+    torch's FSDP2 takes one dtype per unit (its lazy init raises "FSDP expects uniform original
+    parameter dtype"), in words; else None."""
+    with torch.device("meta"):
+        model = workload.model()
+        if workload.pure is not None:
+            model.to(workload.pure)
+    blocks = chosen_units(model, workload.fsdp2, called_outside(workload.replace(compile=None)))
+    names = {id(m): n for n, m in model.named_modules()}
+
+    def own(unit: torch.nn.Module, prefix: str) -> list[torch.nn.Parameter]:
+        nested = {id(p) for b in blocks if names[id(b)].startswith(prefix)
+                  for p in b.parameters()}  # the units inside it hold theirs
+        return [p for p in unit.parameters() if p.requires_grad and id(p) not in nested]
+
+    held = [(f"unit {names[id(b)]}", own(b, names[id(b)] + ".")) for b in blocks]
+    held.append(("the root", own(model, "")))
+    for name, params in held:
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in params})
+        if len(dtypes) > 1:
+            return (f"torch's FSDP2 takes one dtype of trainable parameters per unit (\"FSDP "
+                    f"expects uniform original parameter dtype\"): {name} holds "
+                    f"{' and '.join(dtypes)}; declare units that keep them apart "
+                    f"(fsdp2={{'units': ...}})")
+    return None
+
+
 def unit_runs(workload: Any) -> dict[str, int]:
     """Trainable parameter name -> how often the unit that holds it (``units``, else the root)
     runs in one training forward of batch 0 (``_probe``): FSDP2 reduces a unit's gradients and
@@ -409,16 +438,17 @@ class _Reaching(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def reduction_problems(after_backward: list[dict[str, Any]], expected: torch.dtype
+def reduction_problems(after_backward: list[dict[str, Any]], expected: set[torch.dtype]
                        ) -> list[str]:
-    """A synced backward whose reduce-scatter was handed another dtype than ``expected`` (the
-    policy's ``reduce_dtype``; without one, the shards'), naming it."""
+    """A synced backward whose reduce-scatter was handed a dtype not in ``expected`` (the
+    policy's ``reduce_dtype``; without one, the shards' of each unit), naming it."""
+    allowed = sorted(str(d) for d in expected)
     for i, seen in enumerate(after_backward):
-        handed = [d for d in seen.get("reduce_scatter_dtypes", []) if d != str(expected)]
+        handed = [d for d in seen.get("reduce_scatter_dtypes", []) if d not in allowed]
         if seen["synced"] and handed:
             return [f"backward {i}: the reduce-scatter was handed {', '.join(handed)} where "
-                    f"FSDP2 reduces in {expected} (its mixed-precision policy's reduce_dtype, "
-                    f"or the shards' dtype)"]
+                    f"FSDP2 reduces in {', '.join(allowed)} (its mixed-precision policy's "
+                    f"reduce_dtype, or the shards' dtype)"]
     return []
 
 

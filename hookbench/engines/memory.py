@@ -98,10 +98,10 @@ def state_bytes(optimizer_class: type, kwargs: dict[str, Any],
 
 
 def _padded(p: torch.Tensor, world: int) -> int:
-    """Elements of a rank's shard of ``p``: FSDP2 chunks dim 0 and pads every chunk to the
-    first's length."""
+    """Elements of a rank's shard of ``p``, a complex one's as its real pairs: FSDP2 chunks dim
+    0 and pads every chunk to the first's length."""
     rows = p.shape[0] if p.dim() else 1
-    return math.ceil(rows / world) * (p.numel() // max(rows, 1))
+    return math.ceil(rows / world) * (p.numel() // max(rows, 1)) * (2 if p.is_complex() else 1)
 
 
 def _gradients(workload: Workload, fake: bool) -> list[set[str]]:
@@ -206,11 +206,12 @@ def _run(workload: Workload, setting: str, world: int, fake: bool) -> dict[str, 
             model = workload.build()
         keep_whole = fsdp2.called_outside(workload, fake)
         blocks = fsdp2.chosen_units(model, declared, keep_whole)
-        element = workload.parameter_dtype.itemsize  # pure bf16: 2; fp32 and mixed: 4
+        # pure bf16: 2; fp32 and mixed: 4; a complex parameter counts as its real pairs
+        real = workload.parameter_dtype.to_real()
+        element = real.itemsize
         predicted, at_end = _predicted(
             model, blocks, world, setting, param_dtype.itemsize if param_dtype else element,
-            state_bytes(cls, kwargs, workload.parameter_dtype), _gradients(workload, fake),
-            element)
+            state_bytes(cls, kwargs, real), _gradients(workload, fake), element)
         if fake:
             stack.enter_context(FakeTensorMode())
             materialize(model)

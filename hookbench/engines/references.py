@@ -47,7 +47,7 @@ from hookbench.engines import ddp, deepspeed, fsdp2
 from hookbench.measure import zero2_runs
 from hookbench.measure.bounds import FLOOR_FACTOR
 from hookbench.measure.faults import run_under
-from hookbench.measure.parity import (NoiseBounds, Snapshot, Tolerance, compare,
+from hookbench.measure.parity import (NoiseBounds, Snapshot, Tolerance, compare, wide,
                                       parameters_only, rounding_level, training)
 
 __all__ = ["ENGINE_RUNS", "Held", "Key", "Measured", "against_ddp", "against_single",
@@ -212,7 +212,7 @@ def measure(workload: Workload, kwargs: dict[str, Any], steps: int, world: int,
 
 def noise_floor(a: list[Snapshot], b: list[Snapshot]) -> list[Snapshot]:
     """Per step and entry, |a - b| element by element in float64."""
-    return [{k: (x[k].double() - y[k].double()).abs() for k in x if k in y} for x, y in zip(a, b)]
+    return [{k: (wide(x[k]) - wide(y[k])).abs() for k in x if k in y} for x, y in zip(a, b)]
 
 
 def floor_bounds(floor: list[Snapshot], rounding: list[Snapshot] | None) -> list[Snapshot]:

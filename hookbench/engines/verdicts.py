@@ -91,7 +91,7 @@ def not_applicable(workload: Workload, steps: int, world: int,
                    f"step DTensors)" if cls not in ELEMENTWISE else None)
                   or ("hookbench's FSDP2 rows train eager models (a compiled one is not "
                       "sharded here)" if workload.compile is not None else None)
-                  or uneven())
+                  or fsdp2.mixed_unit(workload) or uneven())
         why.update(dict.fromkeys((e for e in engines if e.startswith("fsdp2")), common))
     if "deepspeed_zero2" in engines:
         why["deepspeed_zero2"] = (
@@ -179,8 +179,8 @@ def fsdp2_checked(in_backward: bool):
         mixed = fsdp2.mixed_dtypes(workload)
         problems = (fsdp2.hook_problems(rank0["after_backward"], fsdp2.unit_runs(workload),
                                         in_backward)
-                    + fsdp2.reduction_problems(rank0["after_backward"],
-                                               mixed[1] if mixed else workload.parameter_dtype)
+                    + fsdp2.reduction_problems(rank0["after_backward"], {mixed[1]} if mixed
+                                               else workload.parameter_dtypes)
                     + fsdp2.setting_problems(workload.fsdp2, rank0) + _ranks_agree(ranks))
         said = [f"{rank0['units']} blocks sharded besides the root"]
         if workload.fsdp2:  # what FSDP2 ran, beside what was declared

@@ -131,8 +131,10 @@ def fingerprint(snapshots: list[Snapshot], sample: int | None = None) -> dict[st
     last = {k: v for k, v in snapshots[-1].items() if "/" not in k}
     if sample is not None:
         last = _sampled(last, sample)
+    # a complex tensor as its (real, imaginary) pairs: JSON has no complex numbers
     final = {k: {"dtype": str(v.dtype).removeprefix("torch."), "shape": list(v.shape),
-                 "values": v.flatten().tolist()} for k, v in last.items()}
+                 "values": (torch.view_as_real(v) if v.is_complex() else v).flatten().tolist()}
+             for k, v in last.items()}
     return {"sha256": digest.hexdigest(), "final": final}
 
 
@@ -142,14 +144,22 @@ def _sampled(parameters: Snapshot, n: int) -> Snapshot:
         flat = value.detach().cpu().flatten()
         where = torch.linspace(0, max(flat.numel() - 1, 0), min(n, flat.numel())).round().long()
         out[key] = flat[where]
-        out[f"{key}#norm"] = torch.linalg.vector_norm(flat.double()).reshape(1)
+        out[f"{key}#norm"] = torch.linalg.vector_norm(
+            flat.to(torch.complex128 if flat.is_complex() else torch.float64)).reshape(1)
     return out
 
 
 def final_parameters(stored: dict[str, Any]) -> Snapshot:
     """The stored last step's parameters as tensors, to compare with a tolerance."""
-    return {k: torch.tensor(v["values"], dtype=getattr(torch, v["dtype"])).reshape(v["shape"])
+    return {k: _tensor(v["values"], getattr(torch, v["dtype"]), v["shape"])
             for k, v in stored["final"].items()}
+
+
+def _tensor(values: list[float], dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    if dtype.is_complex:  # stored as (real, imaginary) pairs
+        pairs = torch.tensor(values, dtype=dtype.to_real()).reshape(*shape, 2)
+        return torch.view_as_complex(pairs)
+    return torch.tensor(values, dtype=dtype).reshape(shape)
 
 
 def load(path: str | Path = DEFAULT) -> dict[str, Any]:

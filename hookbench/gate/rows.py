@@ -114,6 +114,26 @@ def _zero2_refuses(workload: Workload) -> str | None:
                 f"{cls.__name__} is not known to update them elementwise")
     if workload.use_reentrant:
         return f"ZeRO-2 {_REENTRANT}, after its bucket may have been reduced"
+    mixed = _mixed_group(workload)
+    if mixed:
+        return (f"ZeRO-2 refuses {mixed}: each param group is one flat buffer of one dtype "
+                f"(declare param_groups that keep them apart)")
+    return None
+
+
+def _mixed_group(workload: Workload) -> str | None:
+    """The first param group of ``workload`` whose trainable parameters mix dtypes (complex
+    beside real), in words; else None."""
+    with torch.device("meta"):
+        model = workload.model()
+        if workload.pure is not None:
+            model.to(workload.pure)
+        groups = workload.optimizer_params(model) or [{"params": list(model.parameters())}]
+    for i, group in enumerate(groups):
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in group["params"]
+                         if p.requires_grad})
+        if len(dtypes) > 1:
+            return f"param group {i} mixing {' and '.join(dtypes)}"
     return None
 
 

@@ -46,7 +46,7 @@ from hookbench.engines.loop import ACCUMULATION, Refused
 from hookbench.engines.memory import rank_peak
 from hookbench.measure.bounds import STEP_TEMPORARIES, YARDSTICK_HEADROOM
 from hookbench.measure.memory import MemoryResult, measure_or_fall_back
-from hookbench.measure.parity import (AGAINST_FORLOOP, Tolerance, accepts, compare,
+from hookbench.measure.parity import (AGAINST_FORLOOP, Tolerance, accepts, compare, wide,
                                       refused_here, stepwise, trajectory,
                                       without_implementation)
 
@@ -379,7 +379,7 @@ def _differs(step: Step, plain: Step, ulps: float = 0) -> tuple[str | None, str 
         if a is None or torch.equal(_dense(a), _dense(b)):
             continue
         eps = torch.finfo(a.dtype).eps
-        a, b = _dense(a).double(), _dense(b).double()
+        a, b = wide(_dense(a)), wide(_dense(b))
         diff = float((a - b).abs().nan_to_num(float("inf")).max())
         scale = float(b.abs().max()) * eps
         ratio = diff / scale if scale else math.inf

@@ -146,7 +146,8 @@ def tolerance(strategy: str, dtype: torch.dtype) -> Tolerance | None:
     # than the for-loop's Python floats: a reordering, as foreach's
     if strategy in ("in_backward_grouped_foreach", "in_backward_bucketed", "capturable"):
         strategy = "foreach"
-    return IMPLEMENTATIONS.get((strategy, dtype))
+    # complex64 is float32's pairs: its parts round as float32's
+    return IMPLEMENTATIONS.get((strategy, dtype.to_real()))
 
 
 def pure_data_parallel(dtype: torch.dtype) -> Tolerance:

@@ -62,6 +62,7 @@ __all__ = [
     "tolerance",
     "training",
     "trajectory",
+    "wide",
     "without_implementation",
 ]
 
@@ -483,10 +484,10 @@ def compare(
             if torch.equal(x, y):
                 continue
             exact = False
-            diff = (x.double() - y.double()).abs().nan_to_num(nan=float("inf"))
+            diff = (wide(x) - wide(y)).abs().nan_to_num(nan=float("inf"))
             r = float("inf")
             if tol is not None:
-                allowed = tol.atol + tol.rtol * y.double().abs()
+                allowed = tol.atol + tol.rtol * wide(y).abs()
                 bound = None if noise is None else noise[step].get(key)
                 if bound is not None:
                     allowed = allowed + bound
@@ -569,6 +570,22 @@ def largest_step_per_lr(group: dict[str, Any]) -> float | None:
     return None
 
 
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in float64, or in complex128 where it is complex: ``double()`` would drop its
+    imaginary part (a Fourier layer's weights), and a comparison would see half of it."""
+    return t.to(torch.complex128 if t.is_complex() else torch.float64)
+
+
+def _cast(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``model``'s floating parameters and buffers to ``dtype``, its complex ones to the complex
+    dtype of that precision: ``Module.to(dtype)`` makes complex ones real, dropping their
+    imaginary part."""
+    complex_dtype = {torch.float32: torch.complex64, torch.float64: torch.complex128}[dtype]
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point() or t.is_complex():
+            t.data = t.data.to(complex_dtype if t.is_complex() else dtype)
+
+
 def rounding_level(workload: Workload, model: torch.nn.Module,
                    batches: list[tuple[Any, torch.Tensor]],
                    keys: list[tuple[int, int]]) -> dict[str, torch.Tensor]:
@@ -586,10 +603,11 @@ def rounding_level(workload: Workload, model: torch.nn.Module,
     for dtype, run in ((torch.float32, eager), (torch.float64, eager.replace(precision="fp32"))):
         copy = eager.build()
         copy.load_state_dict(state)
-        copy.to(dtype)
+        _cast(copy, dtype)
         total = 0.0
         for (x, y), key in zip(batches, keys, strict=True):
-            x = tree_map(lambda t: t.to(dtype) if t.is_floating_point() else t, x)
+            x = tree_map(lambda t: t.to(dtype) if t.is_floating_point() else
+                         wide(t) if t.is_complex() and dtype == torch.float64 else t, x)
             loss = run.compute_loss(copy, x, y, key) / len(batches)
             loss.backward()
             total += float(loss.detach())
@@ -598,7 +616,7 @@ def rounding_level(workload: Workload, model: torch.nn.Module,
     if abs(losses[0] - losses[1]) > 1e-3 * abs(losses[1]):
         return {}
     g32, g64 = grads
-    return {n: (g32[n].double() - g64[n]).abs() > ROUNDING_LEVEL * g64[n].abs()
+    return {n: (wide(g32[n]) - g64[n]).abs() > ROUNDING_LEVEL * g64[n].abs()
             for n in g64 if n in g32}
 
 
@@ -733,8 +751,8 @@ def stepwise(spec: Workload | TinySpec, cls: type[torch.optim.Optimizer],
             (workload.compute_loss(model, x, y, (i, 0)) / accumulation).backward()
         if workload.clip_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, workload.clip_grad_norm, foreach=False)
-        before = {id(p): p.detach().double() for p in params}
-        before.update({(id(p), k): v.detach().double() for p in params
+        before = {id(p): wide(p.detach()) for p in params}
+        before.update({(id(p), k): wide(v.detach()) for p in params
                        for k, v in reference.state.get(p, {}).items() if torch.is_tensor(v)})
         for kind, opt in (("implementation", tested), ("exact", exact)):
             _take_state(reference, opt, twins[kind])
@@ -755,9 +773,10 @@ def stepwise(spec: Workload | TinySpec, cls: type[torch.optim.Optimizer],
                                    [id(p)]], exact.state[twins["exact"][id(p)]])
             pairs += [(f"{name}/{k}", v, theirs[k], true[k], before.get((id(p), k), 0.0))
                       for k, v in state.items()
-                      if torch.is_tensor(v) and v.is_floating_point() and v.shape == p.shape]
+                      if torch.is_tensor(v) and (v.is_floating_point() or v.is_complex())
+                      and v.shape == p.shape]
             for key, ours, got, truth, old in pairs:
-                ours, got = ours.detach().double(), got.detach().double()
+                ours, got = wide(ours.detach()), wide(got.detach())
                 if not torch.isfinite(ours).all():
                     raise ValueError(
                         f"the for-loop step in {str(dtype).removeprefix('torch.')} made a "

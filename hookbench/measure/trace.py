@@ -61,7 +61,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from hookbench.core.workload import Workload
 from hookbench.mechanisms.activation_capture import ActivationCapture
 from hookbench.measure.bounds import KERNEL_ROUNDING_ULPS, rounding_eps
-from hookbench.measure.parity import training
+from hookbench.measure.parity import training, wide
 
 __all__ = ["STEPS", "RankTrace", "locate", "locate_ranks", "repro", "rounding_floor", "trace"]
 
@@ -371,7 +371,7 @@ def rounding_floor(workload: Workload, implementation: str = "forloop", steps: i
                     if p.grad is not None and not p.grad.is_sparse:
                         p.grad.copy_(_rounded(p.grad, eps, signs))
                 run.optimizer_step()
-            finals.append({n: p.detach().double().clone()
+            finals.append({n: wide(p.detach()).clone()
                            for n, p in run.model.named_parameters()})
     clean, moved = finals
     floor = {}
@@ -386,7 +386,7 @@ def _rounded(t: torch.Tensor, eps: float, signs: torch.Generator) -> torch.Tenso
     """``t`` with every nonzero element moved by +-``KERNEL_ROUNDING_ULPS`` x ``eps`` x its
     largest |value|: what a kernel summing in another order may give (an exact zero stays: a
     sum of zeros is zero in any order)."""
-    if not t.is_floating_point() or not t.numel():
+    if not (t.is_floating_point() or t.is_complex()) or not t.numel():
         return t
     ulp = eps * float(t.detach().abs().max())
     # the floor's own draws, out of the sight of a draws session replaying the workload's
@@ -405,7 +405,7 @@ def _rounding_everywhere(model: nn.Module, eps: float, signs: torch.Generator):
     backward, moving the parameters' gradients alone after it misses that (timm's MobileNetV3
     on a share of 1 image: 792x such a floor on 2.9.1 against 2.6.0)."""
     def rounded(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
             return t
         t = _rounded(t, eps, signs)
         if t.requires_grad:
