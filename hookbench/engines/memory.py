@@ -48,10 +48,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
 
 from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload
@@ -226,6 +227,7 @@ def _run(workload: Workload, setting: str, world: int, fake: bool) -> dict[str, 
         else:
             optimizer = cls(params, **kwargs)
         tracker = FSDPMemTracker(model, None if settings["in_backward"] else optimizer)
+        tracker._mod_tracker = _leaf_safe_mod_tracker()  # before __enter__ registers it
         cpu = torch.device("cpu")
         with collection_paused(), tracker:  # the same bytes in every process
             for i in range(_STEPS):
@@ -251,6 +253,45 @@ def _run(workload: Workload, setting: str, world: int, fake: bool) -> dict[str, 
 
     return {"peak": peak["Total"], "breakdown": words(peak),
             "end_of_backward": words(end), "predicted": predicted, "at_end": at_end}
+
+
+def _leaf_safe_mod_tracker() -> Any:
+    """torch's ``ModTracker`` (what ``FSDPMemTracker`` tells forward from backward with), made
+    to follow a forward that takes ``torch.autograd.grad`` inside it (a PINN's derivatives, a
+    WGAN-GP penalty). ModTracker's gradient hooks fire inside that inner derivative as if
+    backward had begun: on a leaf input ``register_multi_grad_hook`` raises "A leaf node was
+    passed to _will_engine_execute_node but we are currently running autograd.grad()", and
+    otherwise it finds "The Module hierarchy tracking is wrong": torch's tracker failing, not
+    the step it measures, which FSDP2 trains. Here a hook firing while a forward is still
+    running is not backward, and a module whose inputs needing a gradient are all leaves
+    leaves backward when it ends, as ModTracker has a module with none do."""
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    class InnerGradSafe(ModTracker):
+        forwards = 0  # module forwards running
+
+        def _fw_pre_hook(self, mod: torch.nn.Module, input: Any) -> None:
+            self.forwards += 1
+            return super()._fw_pre_hook(mod, tree_map_only(
+                torch.Tensor, lambda t: t.detach() if t.is_leaf and t.requires_grad else t,
+                input))
+
+        def _fw_post_hook(self, mod: torch.nn.Module, input: Any, output: Any) -> None:
+            self.forwards -= 1
+            return super()._fw_post_hook(mod, input, output)
+
+        def _get_append_fn(self, w_mod: Any, name: str, is_bw: bool) -> Callable:
+            return self._in_backward_only(super()._get_append_fn(w_mod, name, is_bw), is_bw)
+
+        def _get_pop_fn(self, w_mod: Any, name: str, is_bw: bool) -> Callable:
+            return self._in_backward_only(super()._get_pop_fn(w_mod, name, is_bw), is_bw)
+
+        def _in_backward_only(self, fn: Callable, is_bw: bool) -> Callable:
+            if not is_bw:
+                return fn
+            return lambda *args: None if self.forwards else fn(*args)
+
+    return InnerGradSafe()
 
 
 def rank_peak(workload: Workload, setting: str, world: int = WORLD) -> dict[str, Any]:
