@@ -56,18 +56,19 @@ def run(args: argparse.Namespace) -> int:
               + (f"workloads {', '.join(w.name for w in workloads)}" if workloads else
                  f"models {', '.join(models)}; a few minutes") + ") ...")
     with tempfile.TemporaryDirectory() as staging:  # files land only with a good baseline
-        data = gate.record(models, sections, staging, workloads)
         # The checkpoint files, the replay file and the baseline land together or not at all:
-        # an interrupt waits for them (interrupts.deferred); every file is staged beside its
-        # place first, so that a full disk fails before anything is replaced, then renamed
-        # into place, the baseline last.
-        with interrupts.deferred():
-            try:
+        # an interrupt waits for them (interrupts.deferred); every file is staged, first in
+        # a folder of its own (the replay file, the checkpoints) and then beside its place, so
+        # that a full disk fails before anything is replaced, then renamed into place, the
+        # baseline last.
+        try:
+            data = gate.record(models, sections, staging, workloads)
+            with interrupts.deferred():
                 path = land(data, Path(staging), target, "checkpoints" in sections)
-            except OSError as e:
-                say(f"hookbench record: error: cannot write {e.filename or target}: "
-                    f"{e.strerror or e}; the baseline {target} and its files are unchanged")
-                return 1
+        except OSError as e:
+            say(f"hookbench record: error: cannot write {e.filename or target}: "
+                f"{e.strerror or e}; the baseline {target} and its files are unchanged")
+            return 1
     known = known_failures.listed(data.get(known_failures.KEY, {}))
     drawn = baselines.replay_file(target)
     print(f"wrote {path}" + (f" and {drawn} ({drawn.stat().st_size:,} B)" if drawn.is_file()

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import math
 import os
 from collections import Counter, defaultdict
@@ -42,6 +43,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
+
+from hookbench.core.prerequisites import write_bytes
 
 __all__ = ["ENV", "Session", "active", "load", "pinned", "recording", "replaying", "save"]
 
@@ -280,7 +283,9 @@ def save(path: str | os.PathLike, draws: dict[str, dict[str, Any]], **beside: An
     """The draws, and what else goes ``beside`` them in the same file (``draws`` to ``load``).
     A draw of zeros and ones (a dropout mask: nearly all of a speech model's 100 MB) is kept
     as bits."""
-    torch.save({"draws": {key: _packed(d) for key, d in draws.items()}, **beside}, path)
+    buffer = io.BytesIO()
+    torch.save({"draws": {key: _packed(d) for key, d in draws.items()}, **beside}, buffer)
+    write_bytes(path, buffer.getbuffer())
 
 
 def load(path: str | os.PathLike) -> dict[str, Any]:

@@ -33,6 +33,9 @@ import contextlib
 import datetime
 import gc
 import inspect
+import io
+import json
+import logging
 import multiprocessing.resource_tracker
 import os
 import pickle
@@ -49,6 +52,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hookbench.core import orphans
+from hookbench.core.prerequisites import StorageFailed, write_bytes
 
 __all__ = ["RANK_THREADS", "RankFailed", "beside", "on_torchrun", "rank_threads", "run",
            "torchrun_backend", "torchrun_world"]
@@ -116,8 +120,12 @@ def _worker(index: int, first: int, world: int, port: int, timeout: float, out: 
     torch.set_num_threads(RANK_THREADS)
     try:
         _init(backend, port, rank, world, timeout)
-        torch.save(fn(rank, world, *args), Path(out) / f"rank{rank}.pt")
+        _save(fn(rank, world, *args), Path(out) / f"rank{rank}.pt")
         _done()
+    except StorageFailed as e:  # the file system failed this rank: the caller's to say
+        (Path(out) / f"rank{rank}.oserror").write_text(
+            json.dumps([e.errno, e.strerror, e.filename]))
+        sys.exit(1)
     except Exception:
         # For RankFailed, and written before the teardown below makes the peers fail too: the
         # time says which rank failed first. The traceback is pickled, as ProcessContext.join
@@ -129,6 +137,13 @@ def _worker(index: int, first: int, world: int, port: int, timeout: float, out: 
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _save(result: Any, path: Path) -> None:
+    """``torch.save`` of a rank's result, a failing file system as ``StorageFailed``."""
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
+    write_bytes(path, buffer.getbuffer())
 
 
 def _error_file(out: str, rank: int) -> str:
@@ -203,6 +218,11 @@ def _join(context: Any, first: int, world_size: int, timeout: float, out: str) -
     """Wait for the spawned ranks; a failed one raises RankFailed, a late one TimeoutError.
     Whatever happens, no process outlives this call."""
     deadline = time.monotonic() + timeout
+    # torch logs "Terminating process ... via signal SIGTERM" for each peer of a failed rank:
+    # RankFailed says which failed first, so that line stays off the terminal
+    spawn_log = logging.getLogger("torch.multiprocessing.spawn")
+    level = spawn_log.level
+    spawn_log.setLevel(logging.ERROR)
     try:
         while not context.join(timeout=0.5):
             if time.monotonic() > deadline:
@@ -210,9 +230,13 @@ def _join(context: Any, first: int, world_size: int, timeout: float, out: str) -
     except mp.ProcessRaisedException:
         raise RankFailed(_failures(context, first, world_size, out)) from None
     except mp.ProcessExitedException as e:
+        failed = sorted(Path(out).glob("rank*.oserror"))
+        if failed:  # not a failure of the ranks' work: the caller stops, saying so
+            raise StorageFailed(*json.loads(failed[0].read_text())) from None
         raise RankFailed(f"rank {first + e.error_index} of {world_size} exited with code "
                          f"{e.exit_code}") from None
     finally:
+        spawn_log.setLevel(level)
         _stop(context.processes)
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hookbench.core import names
-from hookbench.core.prerequisites import one_line
+from hookbench.core.prerequisites import StorageFailed, one_line
 from hookbench.core.workload import Workload
 from hookbench.gate import (baselines, checkpoints, collectives, compiled_hooks, emitted_warnings,
                             engines, hooks, known_failures, memory, numerics, offload,
@@ -74,6 +74,8 @@ def measure_all(sections: tuple[str, ...] = SECTIONS, models: tuple[str, ...] = 
             if name in sections and section.measure is not None:
                 try:
                     rows = section.measure(run)
+                except StorageFailed:
+                    raise  # the file system failing (a full disk) is not a failure of torch's
                 except Exception as e:  # noqa: BLE001 - named in the section's one failed row
                     rows = {CRASHED: one_line(e)}
                 if rows is not None:

@@ -34,7 +34,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from hookbench.core import launch
-from hookbench.core.prerequisites import attempt, one_line, warnings_kept
+from hookbench.core.prerequisites import StorageFailed, attempt, one_line, warnings_kept
 from hookbench.core.workload import Workload, describe
 from hookbench.gate.baselines import fingerprint
 from hookbench.gate.checks import Run, Section, trajectory_verdict
@@ -195,6 +195,8 @@ def _measured(fn: Any) -> tuple[Any, list[str]]:
     with warnings_kept(said):
         try:
             return fn(), said
+        except StorageFailed:
+            raise  # the file system failing stops the command (prerequisites.attempt)
         except Exception as e:  # noqa: BLE001 - every row held to them fails, naming it
             return {"error": one_line(e)}, said
 
@@ -647,6 +649,8 @@ def measure_all(workloads: list[Workload], fault: str | None = None) -> dict[str
         out.update(trajectories(w))
     try:
         out.update(zero2(workloads, fault, traced=True))
+    except StorageFailed:
+        raise  # the file system failing stops the command (prerequisites.attempt)
     except Exception as e:  # noqa: BLE001 - a crashed or late rank fails the ranks' rows
         out.update({key: {"error": one_line(e)} for w in workloads
                     for key in (f"{w.name}/zero2", *(f"{w.name}/engines/{engine}"

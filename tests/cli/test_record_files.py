@@ -90,3 +90,69 @@ def test_a_failure_on_any_file_leaves_the_old_ones(tmp_path, monkeypatch, fails_
     monkeypatch.setattr(baselines, "stage_beside", full)
     assert record(baseline) == 1
     assert files(tmp_path) == first
+
+
+TINY = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+from hookbench import Workload
+
+
+def model():
+    return nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.1), nn.Tanh(), nn.Linear(8, 3))
+
+
+def batch(g):
+    return torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+W = Workload("tiny", model=model, batch=batch, loss=F.cross_entropy)
+'''
+
+
+def _limited(kib: int):
+    """A child process whose files may grow to ``kib`` KiB: a disk that fills."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (kib * 1024, kib * 1024))
+    return limit
+
+
+def test_a_ranks_result_the_file_system_cannot_hold_stops_the_run_naming_the_file():
+    import subprocess
+    import sys
+
+    code = ("import torch\nfrom hookbench.core import launch\ntry:\n"
+            "    launch.run(torch.ones, 2, 100_000)\n"  # rank 1's result: 800 KB
+            "except Exception as e:\n    print(type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         preexec_fn=_limited(64), timeout=300)
+    assert out.stdout.startswith("StorageFailed [Errno 27] File too large: "), out
+    assert out.stdout.rstrip().endswith("rank1.pt'"), out
+    assert "Terminating process" not in out.stderr, out.stderr  # torch's line, not said
+
+
+def test_a_full_disk_while_recording_a_workload_is_one_line_and_no_known_failure(tmp_path):
+    """The real path (issue 57): a rank's result and the replay file are written while the
+    workloads are measured. A file system failing there was recorded as a known failure of
+    torch's (RuntimeError "unexpected pos" from torch's writer) and replaced the baseline."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "tiny.py").write_text(TINY)
+    baseline = tmp_path / "b.json"
+    baseline.write_text("the old baseline")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.getcwd()}",
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    out = subprocess.run([sys.executable, "-m", "hookbench", "record", "--workload", "tiny:W",
+                          "--baseline", str(baseline)], capture_output=True, text=True,
+                         cwd=tmp_path, env=env, preexec_fn=_limited(24), timeout=600)
+    assert out.returncode == 1, out
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("hookbench record: error: cannot write ") and last.endswith(
+        f": File too large; the baseline {baseline} and its files are unchanged"), out.stderr
+    assert "Traceback" not in out.stderr + out.stdout and "known failure" not in out.stdout
+    assert baseline.read_text() == "the old baseline"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hookbench.core.prerequisites import one_line
+from hookbench.core.prerequisites import one_line, warnings_kept
 
 
 def _bare_assert() -> None:
@@ -36,3 +36,20 @@ def test_every_deepspeed_install_command_is_the_one_ci_runs():
     assert DEEPSPEED_INSTALL in MISSING
     assert DEEPSPEED_INSTALL.split("pip ", 1)[1] in (root / ".ci" / "run").read_text()
     assert f"# {DEEPSPEED_INSTALL}" in (root / "pyproject.toml").read_text()
+
+
+def test_torchs_log_records_go_into_the_row_not_onto_the_terminal(capfd):
+    """torch's warnings by its loggers (a rank's "No CUDA runtime is found" on a compiled
+    workload, once per rank) are said in the row as warnings are, and printed nowhere."""
+    import logging
+
+    said: list[str] = []
+    torch_log = logging.getLogger("torch.utils.cpp_extension")
+    handlers = logging.getLogger("torch").handlers[:]
+    with warnings_kept(said):
+        torch_log.warning("No CUDA runtime is found, using CUDA_HOME='/usr/local/cuda'")
+        torch_log.warning("No CUDA runtime is found, using CUDA_HOME='/usr/local/cuda'")
+        torch_log.info("an info line is not a warning")
+    assert said == ["torch log: No CUDA runtime is found, using CUDA_HOME='/usr/local/cuda'"]
+    assert capfd.readouterr().err == ""
+    assert logging.getLogger("torch").handlers == handlers  # restored
