@@ -96,7 +96,8 @@ def _held(ref: Reference, run: list[Snapshot], runs: Runs) -> references.Held:
                                              floor_of if isinstance(floor_of, list) else None)
         peer = runs.snapshots(ref.confirmed_by) if ref.confirmed_by else None
         return references.confirmed(run, peer if isinstance(peer, list) else None, m.single,
-                                    m.rounding, tol, _short(w.parameter_dtype), m.ddp_order)
+                                    m.rounding, tol, _short(w.parameter_dtype), m.ddp_order,
+                                    m.floor)
     if ref.run == "the mixed-precision reference":
         dtypes = ref.dtypes(w)
         result = compare(run, m.mixed[dtypes], tol, m.rounding)

@@ -25,12 +25,13 @@ from typing import Any, Callable
 
 import torch
 
-from hookbench.core import draws, launch
+from hookbench.core import draws
 from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload
+from hookbench.engines import references
 from hookbench.gate import baselines, rows
 from hookbench.gate.checks import Run, Section
-from hookbench.measure import bounds, trace, zero2_runs
+from hookbench.measure import bounds, trace
 from hookbench.measure.bounds import FLOOR_FACTOR, KERNEL_ROUNDING_ULPS, Tolerance
 from hookbench.measure.parity import compare
 
@@ -160,18 +161,11 @@ def _shares(row: rows.Row) -> tuple[int, int]:
 
 def _floor(workload: Workload, implementation: str, world: int,
            accumulation: int) -> dict[str, float]:
-    """The workload's rounding floor as the row trains: a ranks row's on the ranks' shares,
-    with a rank's threads (timm's MobileNetV3 on 2.9.1 against 2.6.0: its ZeRO-2 row 133x the
-    floor of the whole batch, BatchNorm over a share of 1 image amplifying more)."""
+    """The workload's rounding floor as the row trains: a ranks row's on the ranks' shares
+    (``references.shares_floor``), else the whole batch's."""
     if world == 1:
         return trace.rounding_floor(workload, implementation, rows.STEPS)
-
-    def micro(i: int) -> list[tuple[Any, tuple[int, int]]]:
-        keys = [(i * accumulation + m, r) for m in range(accumulation) for r in range(world)]
-        return [(zero2_runs.local_batch(workload, *key, world, "cpu"), key) for key in keys]
-
-    with launch.rank_threads():
-        return trace.rounding_floor(workload, implementation, rows.STEPS, micro)
+    return references.shares_floor(workload, rows.STEPS, world, accumulation)
 
 
 def within_rounding(recorded: dict[str, Any], value: dict[str, Any], tol: Tolerance | None,
