@@ -286,3 +286,45 @@ def test_a_small_mask_alike_by_chance_is_not_a_mask_that_ignores_the_seed():
     problem, = session.report("w")["problems"]
     assert problem.startswith("aten::bernoulli_ draws the same values from every generator "
                               "state (12 draws of (2, 1, 1, 1))") and "ignores the seed" in problem
+
+
+def _replayed_against(recorded_as, draw) -> list[str]:
+    """The problems of replaying ``draw()``'s draws where the recorded values were
+    ``recorded_as(value)``: another torch's draws of the same ops."""
+    torch.manual_seed(0)
+    with draws.recording() as recorded, draws.pinned("w"):
+        draw()
+    for d in recorded.draws.values():
+        d["value"] = recorded_as(d["value"])
+    torch.manual_seed(0)
+    with draws.replaying(recorded.draws) as session, draws.pinned("w"):
+        draw()
+    report = session.report("w")
+    assert report["differ"] > 0, report  # another torch's draws
+    return report["problems"]
+
+
+def test_a_masks_variance_is_held_to_a_masks_spread_not_a_normals():
+    """timm's drop path (keep 0.92) recorded on 2.9.1 and replayed on 2.6.0: the recorded masks
+    nearly all ones (variance 0.027), 2.6.0's as p(1 - p) has it (0.076). A normal's error of
+    the variance, 2 var^2 / n, called that another distribution; a mask's fourth moment makes
+    its error far wider. Here one zero recorded in 128 values against this torch's p = 0.92:
+    8x the variance, 3 such errors apart."""
+    def masks() -> None:
+        for _ in range(16):
+            torch.bernoulli(torch.full((8,), 0.92))
+
+    zeros = [1]  # one zero in the 128 recorded values: variance 0.0077
+
+    def nearly_all_ones(value: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones_like(value)
+        mask[:zeros[0]] = 0
+        zeros[0] = 0
+        return mask
+
+    ones = _replayed_against(nearly_all_ones, masks)
+    assert ones == [], ones
+    # a draw whose spread is another (a normal at twice its scale) still fails, on its variance
+    problems = _replayed_against(lambda v: 2 * v, lambda: [torch.randn(64) for _ in range(8)])
+    assert len(problems) == 1 and problems[0].startswith("aten::randn() draws variance"), problems
+    assert problems[0].endswith("another distribution")
