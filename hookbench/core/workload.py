@@ -305,7 +305,15 @@ class Workload:
         declare). A compiled workload is checked eager (compiling takes
         long)."""
         eager = self.replace(compile=None)
-        dtype = self._call("model()", lambda: self.parameter_dtype)
+        try:  # built under torch.device("meta") first: parameter counts and dtypes read so
+            dtype = self.parameter_dtype
+        except Exception as e:  # noqa: BLE001 - the user's factory: where it fails, said
+            self._call("model()", self.model)  # fails on the CPU too: said so
+            raise ValueError(f"workload {self.name!r}: model() raised {one_line(e)} under "
+                             f"torch.device('meta') only (it builds on the CPU): hookbench "
+                             f"reads parameter counts and dtypes from a meta build and runs its "
+                             f"fake memory backend on one; make the factory build there (no "
+                             f"weights read or copied in it, no .to() a device)") from None
         if self.pure is not None and any(d.is_complex for d in self.parameter_dtypes_built):
             raise ValueError(f"workload {self.name!r}: model() builds complex parameters under "
                              f"precision={self.precision!r}; torch has no complex "

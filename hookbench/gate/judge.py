@@ -124,12 +124,13 @@ def judge_row(entry: Row, runs: Runs) -> dict[str, Any]:
     if refused is not None:
         return ({"refused": refused_words(refused)} if must_refuse
                 else {"problems": [f"refused: {refused}"]})
-    if must_refuse:
-        return {"problems": [f"trained the workload; it must refuse ({must_refuse})"]}
-    # 2. errors
+    # 2. errors: a row that must refuse and stopped otherwise did not train either
     errors = [f"rank {i}: {r['error']}" for i, r in enumerate(ranks) if r.get("error")]
     if errors:
-        return {"problems": errors}
+        return {"problems": errors + ([f"it must refuse ({must_refuse})"] if must_refuse
+                                      else [])}
+    if must_refuse:
+        return {"problems": [f"trained the workload; it must refuse ({must_refuse})"]}
     # 3. the row's own checks
     checked = entry.checker(w, ranks, runs.results) if entry.checker else Checked()
     problems, words = list(checked.problems), []

@@ -741,8 +741,9 @@ def _groups(params: list[dict[str, Any]] | None, names: dict) -> list[dict[str, 
             seen.add(p)
         dtypes = {p.dtype for p in g["params"]}
         if len(dtypes) > 1:
-            raise ValueError(f"param group {i} mixes dtypes {sorted(map(str, dtypes))}: one "
-                             f"flat buffer needs one dtype")
+            raise ValueError(f"param group {i} mixes dtypes {sorted(map(str, dtypes))}; give "
+                             f"each dtype a param group of its own: one flat buffer needs one "
+                             f"dtype")
     if not any(g["params"] for g in groups):
         raise ValueError("no parameter requires grad: there is nothing to optimize")
     return [g for g in groups if g["params"]]

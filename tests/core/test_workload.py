@@ -363,3 +363,23 @@ def test_the_gate_fails_a_changed_refusal_and_a_row_it_no_longer_measures():
     assert "CHANGED: now refuses" in section.rows[0][0][-1]
     same = workload_checks.judge({"tiny/in_backward": now["tiny/in_backward"]}, now, Run())
     assert same.ok and "refuses, as designed" in same.rows[0][0][-1]
+
+
+class _CopiesWeights(nn.Module):
+    """A factory that copies values into its weights (as SB3's policies and e3nn do), which a
+    meta tensor cannot give."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.ones(2, 3).to(self.lin.weight.device).cpu())
+
+
+def test_a_factory_that_fails_only_under_meta_is_told_so():
+    with pytest.raises(ValueError, match=r"model\(\) raised .* under torch.device\('meta'\) "
+                                         r"only \(it builds on the CPU\)"):
+        _tiny(model=_CopiesWeights).check()
+    # one that fails everywhere: said as before
+    with pytest.raises(ValueError, match=r"model\(\) raised ZeroDivisionError"):
+        _tiny(model=lambda: 1 / 0).check()

@@ -268,3 +268,17 @@ def test_a_compiled_ddp_is_held_within_its_rounding_floor_and_no_further():
     held = references.confirmed(ddp, None, single, None, T, "fp32", floor=lambda: {"w": 2e-5})
     assert not held.ok and "FAIL" in held.words
     assert not references.confirmed(ddp, None, single, None, T, "fp32").ok
+
+
+def test_a_row_that_must_refuse_and_crashed_says_so_not_that_it_trained():
+    """st-bert-mnrl's FSDP2 in-backward row, which must refuse: its ranks crashed in sharding,
+    and it read "trained the workload" (found by the second sweep's first recipes)."""
+    entry = rows.Row("crashes", "ranks", "a row that must refuse", refuses=lambda w: "by design")
+    ranks = [{"error": "TypeError: __class__ assignment: 'FSDPTransformer' object layout "
+                       "differs"}] * 2
+    got = judge_row(entry, Runs(BATCHNORM, {"crashes": ranks}, references.Measured([], None, ""),
+                                T, 2))
+    assert got["problems"] == ["rank 0: TypeError: __class__ assignment: 'FSDPTransformer' "
+                               "object layout differs", "rank 1: TypeError: __class__ "
+                               "assignment: 'FSDPTransformer' object layout differs",
+                               "it must refuse (by design)"], got
