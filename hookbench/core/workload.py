@@ -410,6 +410,13 @@ class Workload:
         with torch.device("meta"):
             return next(self.model().parameters()).dtype
 
+    def meta_model(self) -> nn.Module:
+        """``model()`` built under ``torch.device("meta")`` and cast as trained (a pure
+        precision's dtype): its parameters' shapes and dtypes, without their memory."""
+        with torch.device("meta"):
+            model = self.model()
+        return model if self.pure is None else model.to(self.pure)
+
     @property
     def parameter_dtypes_built(self) -> set[torch.dtype]:
         """The dtypes of the trainable parameters ``model()`` builds (complex ones beside real

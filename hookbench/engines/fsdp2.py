@@ -214,10 +214,7 @@ def mixed_unit(workload: Any) -> str | None:
     parameters of more than one dtype (a Fourier layer's complex weights beside real ones):
     torch's FSDP2 takes one dtype per unit (its lazy init raises "FSDP expects uniform original
     parameter dtype"), in words; else None."""
-    with torch.device("meta"):
-        model = workload.model()
-        if workload.pure is not None:
-            model.to(workload.pure)
+    model = workload.meta_model()
     blocks = chosen_units(model, workload.fsdp2, called_outside(workload.replace(compile=None)))
     names = {id(m): n for n, m in model.named_modules()}
 

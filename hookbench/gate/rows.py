@@ -124,11 +124,8 @@ def _zero2_refuses(workload: Workload) -> str | None:
 def _mixed_group(workload: Workload) -> str | None:
     """The first param group of ``workload`` whose trainable parameters mix dtypes (complex
     beside real), in words; else None."""
-    with torch.device("meta"):
-        model = workload.model()
-        if workload.pure is not None:
-            model.to(workload.pure)
-        groups = workload.optimizer_params(model) or [{"params": list(model.parameters())}]
+    model = workload.meta_model()
+    groups = workload.optimizer_params(model) or [{"params": list(model.parameters())}]
     for i, group in enumerate(groups):
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in group["params"]
                          if p.requires_grad})
