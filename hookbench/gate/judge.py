@@ -167,6 +167,12 @@ def judge_row(entry: Row, runs: Runs) -> dict[str, Any]:
             problems.append(words[-1])
     out: dict[str, Any] = {"problems": problems, "snapshots": ranks[0]["snapshots"],
                            **checked.fields}
+    if any(ref.run == "one process on the ranks' shares" for ref in held_to):
+        # whether the row is, step by step, the standard step on the ranks' shares to the bit:
+        # where it is, on the trusted torch and on a later one, what moved it between the two
+        # is the standard step's own arithmetic, not the row's (``replay.within_rounding``)
+        out["standard_on_shares"] = compare(ranks[0]["snapshots"],
+                                            runs.measured.single).bit_exact
     if any(ref.yardstick for ref in held_to):
         # the yardstick the baseline keeps: how far two legal references, DDP and the single
         # process, drift apart on this workload, step by step (a later torch is held to it)

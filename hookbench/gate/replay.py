@@ -191,13 +191,24 @@ def within_rounding(recorded: dict[str, Any], value: dict[str, Any], tol: Tolera
         f"{FLOOR_FACTOR:g}x this workload's rounding floor per tensor: every module's output, "
         f"the gradient reaching it and every parameter's gradient moved {KERNEL_ROUNDING_ULPS} "
         f"ulps of its largest value"))
-    if not held.ok:
-        return False, (f"CHANGED bits{machine_note}; final parameters {beyond}; {where}, but "
-                       f"the parameters moved further than rounding moves them: "
-                       f"{held.verdict()}")
-    return True, (f"CHANGED bits{machine_note} by KERNEL ROUNDING: {where}; training amplified "
-                  f"it to max |diff| {changed.max_abs:.3g} in the final parameters, beyond the "
-                  f"row's tolerance and within the rounding floor: {held.verdict()}")
+    amplified = (f"CHANGED bits{machine_note} by KERNEL ROUNDING: {where}; training amplified "
+                 f"it to max |diff| {changed.max_abs:.3g} in the final parameters, beyond the "
+                 f"row's tolerance")
+    if held.ok:
+        return True, f"{amplified} and within the rounding floor: {held.verdict()}"
+    if recorded.get("standard_on_shares") and value.get("standard_on_shares"):
+        # the row is the standard step on its ranks' shares to the bit, on the trusted torch
+        # and on this one: its mechanism adds nothing to the distance, the standard step's
+        # kernels made it. The floor is one draw of what training makes of a rounding; on a
+        # share of one image BatchNorm makes it chaotic, and a draw may fall short
+        # (torchvision's ShuffleNet, 2.9.1 -> 2.6.0: 1.75x the bound)
+        return True, (f"{amplified} and beyond the rounding floor ({held.verdict()}), where "
+                      f"this row is bit for bit the standard step on the ranks' shares, as "
+                      f"recorded: the change is that step's own, the row's mechanism adds "
+                      f"nothing to it")
+    return False, (f"CHANGED bits{machine_note}; final parameters {beyond}; {where}, but "
+                   f"the parameters moved further than rounding moves them: "
+                   f"{held.verdict()}")
 
 
 

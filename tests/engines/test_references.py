@@ -82,6 +82,9 @@ def test_zero2_on_a_batchnorm_convnet_is_ddp_bit_for_bit(batchnorm_row):
     assert drift and float(drift[1]) > 1e3, batchnorm_row["parity"]
     assert "so judged within 2x the measured noise floor per tensor" in batchnorm_row["parity"]
     assert batchnorm_row["noise_floor"][-1] > batchnorm_row["noise_floor"][0] > 0
+    # not the standard step on the shares to the bit: a later torch's change of it is held
+    # to the rounding floor alone (``replay.within_rounding``)
+    assert batchnorm_row["standard_on_shares"] is False
 
 
 def test_the_single_process_computes_with_a_ranks_threads_and_is_ddp_bit_for_bit(monkeypatch):
@@ -99,6 +102,7 @@ def test_the_single_process_computes_with_a_ranks_threads_and_is_ddp_bit_for_bit
     assert torch.get_num_threads() == before
     assert row["parity"] == ("vs DDP on the same shares: bit-exact; vs one process on the "
                              "ranks' shares: bit-exact; DDP within the same tolerance"), row
+    assert row["standard_on_shares"] is True  # kept with the row for a later torch's gate
 
 
 @pytest.mark.parametrize("fault", [

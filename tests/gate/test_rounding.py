@@ -188,3 +188,30 @@ def test_the_floors_own_draws_are_not_named_as_the_workloads(recorded):
         trace.rounding_floor(ATTENTION)
     report = session.report("attention")
     assert report["draws"] > 0 and report["not_recorded"] == {}, report
+
+
+def _row(values: list[float], standard: bool | None) -> dict:
+    row = {"sha256": "0" * 64, "final": {"w": {"dtype": "float32", "shape": [2],
+                                              "values": values}}}
+    return row if standard is None else {**row, "standard_on_shares": standard}
+
+
+@pytest.mark.parametrize("was, now, holds", [
+    (True, True, True), (True, False, False), (False, True, False), (None, True, False)])
+def test_beyond_the_floor_holds_only_as_the_standard_step_on_the_shares_on_both(was, now,
+                                                                              holds):
+    """A ranks row whose first change is a kernel's rounding, amplified past 2x the floor (the
+    floor one draw of what training makes of a rounding, and on a share of one image
+    BatchNorm makes it chaotic: torchvision's ShuffleNet's ZeRO-2 row, 2.9.1 -> 2.6.0, 1.75x
+    the bound). It holds only where the row is the standard step on the ranks' shares bit for
+    bit on both torches: then its mechanism adds nothing to the distance. A row that is not
+    (its mechanism's own arithmetic, on either torch) fails, as before the rule."""
+    recorded = _row([1.0, 2.0], was)
+    value = {**_row([1.0, 2.0 + 3.5], now),
+             "rounding": {"relative": 4.5e-11, "limit": 4.8e-7, "floor": {"w": 1.0}}}
+    ok, words = replay.within_rounding(recorded, value, bounds.Tolerance(1e-5, 1e-6))
+    assert ok is holds, words
+    assert "1.75x of the bound" in words, words
+    assert ("bit for bit the standard step on the ranks' shares, as recorded" in words) is holds
+    if not holds:
+        assert "the parameters moved further than rounding moves them" in words, words
