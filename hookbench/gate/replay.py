@@ -202,7 +202,8 @@ def within_rounding(recorded: dict[str, Any], value: dict[str, Any], tol: Tolera
         # kernels made it. The floor is one draw of what training makes of a rounding; on a
         # share of one image BatchNorm makes it chaotic, and a draw may fall short
         # (torchvision's ShuffleNet, 2.9.1 -> 2.6.0: 1.75x the bound)
-        return True, (f"{amplified} and beyond the rounding floor ({held.verdict()}), where "
+        return True, (f"{amplified} and beyond the rounding floor "
+                      f"({held.verdict().removeprefix('FAIL: ')}), where "
                       f"this row is bit for bit the standard step on the ranks' shares, as "
                       f"recorded: the change is that step's own, the row's mechanism adds "
                       f"nothing to it")
