@@ -18,6 +18,8 @@ would run it, one row per architecture, each stage a subprocess, timed:
                                                             # another hookbench)
     python examples/sweep/run.py --json r.json --out docs/sweep.md --table-only
     python examples/sweep/run.py --check-only               # Workload.check on each (seconds)
+    python examples/sweep/run.py --set fields ...           # the second sweep (issue 57):
+                                                            # examples/fields' architectures
 
 Writes the table (markdown, ``--out``: every architecture, "not run" where no result is
 known) and every stage's result (``--json``); prints the totals. Exits 0 only when every stage
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -39,6 +42,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+# the sets of architectures: each a folder beside this one holding the package of that name,
+# whose ``architectures`` module has ARCHITECTURES, FAMILY and NAME
+SETS = ("sweep", "fields")
 # (stage, extra arguments, expected exit code)
 STAGES = (("record", (), 0), ("gate", (), 0),
           ("fires_twice", ("--fault", "fires_twice"), 1),
@@ -46,12 +52,13 @@ STAGES = (("record", (), 0), ("gate", (), 0),
 TRIM = 300
 
 
-def _hookbench(args: list[str], timeout: float) -> tuple[int | None, str, float]:
-    """Exit code (None: timed out and killed), output, seconds."""
+def _hookbench(args: list[str], timeout: float, home: Path) -> tuple[int | None, str, float]:
+    """Exit code (None: timed out and killed), output, seconds; run in ``home``, the set's
+    folder, which is on its path."""
     started = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": str(HERE) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    env = {**os.environ, "PYTHONPATH": str(home) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "hookbench", *args], cwd=HERE, env=env,
+    process = subprocess.Popen([sys.executable, "-m", "hookbench", *args], cwd=home, env=env,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                start_new_session=True)
     try:
@@ -88,16 +95,16 @@ def _why(out: str, code: int | None, timeout: float) -> list[str]:
 
 
 def run(name: str, attribute: str, folder: Path, timeout: float,
-        stages: tuple[str, ...]) -> dict:
+        stages: tuple[str, ...], of: str = "sweep") -> dict:
     baseline = folder / f"{name}.json"
-    workload = ["--workload", f"sweep.architectures:{attribute}", "--baseline", str(baseline)]
+    workload = ["--workload", f"{of}.architectures:{attribute}", "--baseline", str(baseline)]
     results = {}
     for stage, extra, expected in STAGES:
         if stage not in stages:
             continue
         command = ["record", *workload] if stage == "record" else [
             "gate", *workload, *extra, "--out", str(folder / f"{name}-{stage}-out")]
-        code, out, seconds = _hookbench(command, timeout)
+        code, out, seconds = _hookbench(command, timeout, HERE.parent / of)
         known = _known_failures(out) if stage == "record" else []
         # under a fault, the hook-contract rows fail whatever the workload: caught means one
         # of the architecture's own rows failed too
@@ -153,12 +160,16 @@ def table(results: dict, family: dict, sizes: dict) -> str:
             + ("\n".join(notes) if notes else "None.") + "\n")
 
 
-BEGIN, END = "<!-- sweep table: written by examples/sweep/run.py -->", "<!-- end sweep table -->"
+def markers(of: str) -> tuple[str, str]:
+    """Where set ``of``'s table goes in a page (each set its own pair of lines)."""
+    written = "examples/sweep/run.py" + ("" if of == "sweep" else f" --set {of}")
+    return f"<!-- {of} table: written by {written} -->", f"<!-- end {of} table -->"
 
 
-def write_table(path: Path, text: str) -> None:
-    """The table into ``path``: between the BEGIN and END markers where the page has them (its
+def write_table(path: Path, text: str, of: str = "sweep") -> None:
+    """The table into ``path``: between set ``of``'s markers where the page has them (its
     prose kept), else the whole file."""
+    BEGIN, END = markers(of)
     page = path.read_text() if path.exists() else ""
     if BEGIN in page and END in page:
         head, rest = page.split(BEGIN, 1)
@@ -191,6 +202,9 @@ def sizes_of(workloads) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", dest="of", choices=SETS, default="sweep",
+                        help="which architectures: examples/sweep's (default) or "
+                             "examples/fields' (the fields the first sweep did not visit)")
     parser.add_argument("--only", help="comma-separated architecture names")
     parser.add_argument("--stages", default=",".join(s for s, _, _ in STAGES),
                         help="comma-separated stages (default: all four; gate and the faults "
@@ -209,9 +223,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="only Workload.check(shares=2) on each (build, every batch's "
                              "forward and loss)")
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(0, str(HERE.parent / args.of))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from sweep.architectures import ARCHITECTURES, FAMILY, NAME
+    architectures = importlib.import_module(f"{args.of}.architectures")
+    ARCHITECTURES, FAMILY, NAME = (architectures.ARCHITECTURES, architectures.FAMILY,
+                                   architectures.NAME)
 
     names = args.only.split(",") if args.only else [w.name for w in ARCHITECTURES]
     unknown = set(names) - set(NAME)
@@ -246,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         if not (args.json and args.json.exists() and args.out):
             parser.error("--table-only needs --json (an existing results file) and --out")
         results = json.loads(args.json.read_text())
-        write_table(args.out, table(results, FAMILY, sizes_of(ARCHITECTURES)))
+        write_table(args.out, table(results, FAMILY, sizes_of(ARCHITECTURES)), args.of)
         print(totals(results))
         return 0 if all(r["ok"] for got in results.values() for r in got.values()) else 1
     results = {}
@@ -264,11 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         for w in chosen:
             print(f"{w.name} ...", flush=True)
             this_run[w.name] = results[w.name] = run(w.name, NAME[w.name], Path(folder),
-                                                     args.timeout, stages)
+                                                     args.timeout, stages, args.of)
             if args.json:  # after each, so that an interrupted sweep keeps what it ran
                 args.json.write_text(json.dumps(results, indent=1) + "\n")
     if args.out:
-        write_table(args.out, table(results, FAMILY, sizes_of(ARCHITECTURES)))
+        write_table(args.out, table(results, FAMILY, sizes_of(ARCHITECTURES)), args.of)
     print(f"this run: {totals(this_run)}")
     if args.merge:
         print(f"with the merged results: {totals(results)}")
