@@ -183,6 +183,11 @@ def fsdp2_checked(in_backward: bool):
                                                else workload.parameter_dtypes)
                     + fsdp2.setting_problems(workload.fsdp2, rank0) + _ranks_agree(ranks))
         said = [f"{rank0['units']} blocks sharded besides the root"]
+        inner = max(seen.get("calls_in_forward", 0) for seen in rank0["after_backward"])
+        if inner:  # told: the hooks' counts and the step are backward's
+            said.append(f"FSDP2 called {inner} shards' hooks inside a forward, reducing what "
+                        f"earlier micro-batches accumulated at the end of an autograd.grad in "
+                        f"it; counted and stepped in backward, on the sum")
         if workload.fsdp2:  # what FSDP2 ran, beside what was declared
             said.append(f"declared {fsdp2.described(workload.fsdp2)}; FSDP2 runs "
                         f"{fsdp2.described(rank0['settings'])}")
@@ -206,12 +211,17 @@ def _gradient_memory(in_backward: bool, rank0: dict[str, Any]
     what the engine is for: a standard step holds every shard's gradient at the step (ZeRO-2's
     4 Psi / N in fp32, Psi the trainable parameters, N the ranks; FSDP2 pads dim 0 to N
     rows); the optimizer in backward frees each unit's before the next unit's arrive, so at
-    most the largest unit's. More than that: a gradient kept, or one that is not a shard.
-    Whether it held, in words, and what the row keeps as ``shard_grad_bytes``."""
-    peak = max(seen["peak_shard_grad_bytes"] for seen in rank0["after_backward"]
-               if seen["synced"])
+    most the largest unit's, and those a forward left: FSDP2 reduce-scatters at the end of an
+    autograd.grad inside it, and the step waits for backward's part. More than that: a
+    gradient kept, or one that is not a shard. Whether it held, in words, and what the row
+    keeps as ``shard_grad_bytes``."""
+    synced = [seen for seen in rank0["after_backward"] if seen["synced"]]
+    peak = max(seen["peak_shard_grad_bytes"] for seen in synced)
+    carried = max(seen.get("carried_shard_grad_bytes", 0) for seen in synced)
     units, whole = rank0["unit_bytes"], sum(rank0["unit_bytes"])
-    bound, of = ((max(units), "the largest unit's shards") if in_backward
+    bound, of = ((max(units) + carried, "the largest unit's shards" + (
+        f" + {carried:,} B the forward left, reduced by FSDP2 at the end of an autograd.grad "
+        f"inside it" if carried else "")) if in_backward
                  else (whole, "all the rank's shards, 4 Psi / N"))
     words = (f"shard gradients held at once: at most {peak:,} B on rank 0 ({of}: "
              f"{bound:,} B of {whole:,} B)")
