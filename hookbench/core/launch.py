@@ -100,7 +100,25 @@ def _init(backend: str, port: int, rank: int, world: int, timeout: float,
     limit = datetime.timedelta(seconds=timeout)
     if store is None:
         store = dist.TCPStore("127.0.0.1", port, None, False, limit)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=limit)
+    with quiet_stdout():
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=limit)
+
+
+@contextlib.contextmanager
+def quiet_stdout():
+    """File descriptor 1 to /dev/null while the block runs: what C++ prints there, past
+    Python's streams and torch's log levels (gloo on torch 2.9.1 prints "[Gloo] Rank 1 is
+    connected to 1 peer ranks. ..." as each group connects). Errors still raise."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def _done() -> None:
@@ -336,7 +354,8 @@ def on_torchrun(fn: Callable[..., Any], args: tuple, what: dict[str, Any], timeo
         torch.cuda.set_device(device)
         if "device_id" in inspect.signature(dist.init_process_group).parameters:
             options["device_id"] = device  # torch >= 2.3: the group binds to it at once
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **options)
+    with quiet_stdout():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **options)
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         _same_everywhere(what, world)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 
@@ -314,3 +315,20 @@ def test_speed_on_a_workload_takes_no_batch_size(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["hookbench speed: error: --batch-size is for zoo models; a workload has its "
                    "own batch"]
+
+
+def test_what_a_backend_prints_as_a_group_connects_stays_off_the_terminal(capfd, monkeypatch):
+    """gloo on torch 2.9.1 prints "[Gloo] Rank 1 is connected to 1 peer ranks. ..." from C++
+    straight to file descriptor 1 as each rank joins: past Python's streams and torch's log
+    levels. The ranks join with descriptor 1 on /dev/null; it is back afterwards."""
+    import torch.distributed as dist
+
+    from hookbench.core import launch
+
+    def connects(*args, **kwargs):
+        os.write(1, b"[Gloo] Rank 0 is connected to 1 peer ranks.\n")
+
+    monkeypatch.setattr(dist, "init_process_group", connects)
+    launch._init("gloo", 0, 0, 2, 10.0, store=object())
+    print("after the group connected", flush=True)
+    assert capfd.readouterr().out == "after the group connected\n"
