@@ -512,9 +512,15 @@ def memory(workload: Workload) -> dict[str, dict[str, Any]]:
             if (strategy != standard_step and r.all_gradients > 0
                     and not r.few_gradients_alive):
                 problems.append(f"holds every gradient at once ({r.gradients_alive_max} B)")
+            # a saving the model's own backward rules out: said, not failed
+            together = (f"every gradient arrives at once, from {r.together_from} in "
+                        f"backward: none can be freed before the rest"
+                        if strategy != standard_step and r.all_gradients > 0
+                        and r.gradients_together >= r.all_gradients else None)
             return {"peak": r.peak, "breakdown": r.peak_breakdown,
                     "gradients_alive_max": r.gradients_alive_max, "problems": problems,
-                    "backend": r.backend, **({"fallback": fallback} if fallback else {})}
+                    "backend": r.backend, **({"fallback": fallback} if fallback else {}),
+                    **({"together": together} if together else {})}
 
         out[f"{workload.name}/memory/{strategy}"] = _row(one)
     return out
@@ -705,7 +711,8 @@ def judge(base: dict, now: dict, run: Run, title: str | None = None) -> Section:
             fallback = f" ({value['fallback']})" if value.get("fallback") else ""
             section.add(ok, key, f"peak {amount(value['peak'])}, backend {now_on}: "
                                  f"{verdict}{fallback}"
-                        + (f"; {value['against']}" if "against" in value else ""))
+                        + "".join(f"; {value[k]}" for k in ("against", "together")
+                                  if k in value))
         elif kind == "transform":  # live: the transformed step against the plain one
             section.add(True, key, value["transform"])
         elif kind == "draws":

@@ -249,13 +249,22 @@ class MemoryResult:
     timeline: list[tuple[str, tuple[int, ...]]] = field(repr=False)
     device: dict[str, Any] = field(default_factory=dict)  # cuda: allocator, NVML, snapshot
     host_peak: int = 0  # the most host memory offloaded activations held at once
+    # The most gradient bytes one node of backward hands out at once, and that node: no step
+    # in backward can free one of them before the others exist (``arriving_together``)
+    gradients_together: int = 0
+    together_from: str = ""
 
     @property
     def few_gradients_alive(self) -> bool:
         """Whether the step held fewer gradients at once than a standard step: not every one;
         bucketed in backward, at most a bucket and the one arriving (two of the largest
         bucket, as no parameter is larger than its bucket), which is every gradient of a model
-        smaller than a bucket, as with DDP."""
+        smaller than a bucket, as with DDP. Or every gradient comes from one node of backward
+        (``gradients_together``): a model whose own autograd.Function hands them all out at
+        the end of its backward (torchdiffeq's adjoint, as views of its flat adjoint state)
+        holds them all in any step."""
+        if self.all_gradients and self.gradients_together >= self.all_gradients:
+            return True
         if self.strategy == "in_backward_bucketed":
             return self.gradients_alive_max <= 2 * self.floor_breakdown["gradients_needed"]
         return self.gradients_alive_max < self.all_gradients
@@ -457,6 +466,7 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         grads_alive[0] = max(grads_alive[0], alive + tracker.rounded(_bytes(grad)))
 
     after_backward: dict[str, int] = {}  # what is live when the last backward has ended
+    together: list[tuple[int, str]] = [(0, "")]  # the measured step's (arriving_together)
 
     def one_step(index: int) -> None:
         tracker.phase = "data"
@@ -467,6 +477,7 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         # strategy and every run: a forward whose path is random allocates alike
         loss = spec.compute_loss(model, x, y, (index, 0))
         classify()
+        together[0] = arriving_together(loss, trainable, tracker.rounded)
         tracker.phase = "backward"
         (loss if started.scale is None else started.scale(loss)).backward()  # fp16 ZeRO-2
         del loss
@@ -534,7 +545,32 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
         timeline=tracker.timeline,
         device=device_info,
         host_peak=tracker.host_peak,
+        gradients_together=together[0][0],
+        together_from=together[0][1],
     )
+
+
+def arriving_together(loss: torch.Tensor, trainable: list[torch.Tensor],
+                      rounded: Callable[[int], int] = lambda n: n) -> tuple[int, str]:
+    """The most bytes of ``trainable``'s gradients that one node of ``loss``'s backward graph
+    hands out at once (its ``next_functions`` that accumulate into them), and that node's
+    name: a Linear's weight and bias from one addmm; every parameter from an autograd.Function
+    that computes them all in its backward (torchdiffeq's adjoint, a recomputing Function)."""
+    wanted = {id(p) for p in trainable}
+    best, name = 0, ""
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        fed = {id(f.variable): f.variable for f, _ in node.next_functions
+               if f is not None and id(getattr(f, "variable", None)) in wanted}
+        total = sum(rounded(_bytes(p)) for p in fed.values())
+        if total > best:
+            best, name = total, node.name()
+        stack.extend(f for f, _ in node.next_functions if f is not None)
+    return best, name
 
 
 def _gradients_needed(model: nn.Module, strategy: str, tracker: StorageTracker,

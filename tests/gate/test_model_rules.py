@@ -21,6 +21,9 @@ with the fault that breaks it: the same test run without the rule fails.
                    FSDP2 unit; a shard without a gradient (an unused pooler) has no hook call
     yardstick      |DDP - single process| per step, stored at record: a later torch is held
                    to it with a stated headroom
+    all at once    a model whose own autograd.Function hands out every gradient at the end
+                   of its backward (torchdiffeq's adjoint): the memory rows say no step can
+                   free one before the rest, and fail only on more than that
 """
 
 from __future__ import annotations
@@ -443,3 +446,65 @@ def test_the_yardstick_recorded_on_the_trusted_torch_holds_a_later_one(grown, dd
     assert ("YARDSTICK GREW: DDP is" in detail) is (not holds)
     assert ("yardstick grew, and holds: DDP is" in detail) is (grown > 4 and holds)
     assert ("bit-exact with one process in DDP's order" in detail) is bool(ddp_order)
+
+
+class Recomputed(torch.autograd.Function):
+    """The forward of ``net`` without a graph; its backward runs it again with one and hands
+    out every parameter's gradient at once, as views of one flat tensor (torchdiffeq's
+    ``odeint_adjoint`` integrates one flat adjoint state backwards in its backward and
+    splits it): one storage, alive until the last gradient is freed."""
+
+    @staticmethod
+    def forward(ctx, net: nn.Module, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.net = net
+        ctx.save_for_backward(x)
+        with torch.no_grad():
+            return net(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_(True)
+            grads = torch.autograd.grad(ctx.net(x), (x, *ctx.net.parameters()), grad)
+        flat = torch.cat([g.flatten() for g in grads])
+        return (None, *(piece.view_as(g) for piece, g in zip(
+            flat.split([g.numel() for g in grads]), grads)))
+
+
+class AdjointLike(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Tanh(),
+                                 nn.Linear(32, 4, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Recomputed.apply(self.net, x, *self.net.parameters())
+
+
+def wide_features(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+ADJOINT_LIKE = Workload("adjoint-like", model=AdjointLike, batch=wide_features,
+                        loss=F.cross_entropy, optimizer=(torch.optim.Adam, {"lr": 1e-2}))
+
+
+def test_gradients_a_models_backward_hands_out_at_once_are_held_at_once(monkeypatch):
+    rows = workload_checks.memory(ADJOINT_LIKE)
+    for strategy in ("in_backward", "zero2"):
+        row = rows[f"adjoint-like/memory/{strategy}"]
+        assert row["problems"] == [], row
+        assert row["together"] == ("every gradient arrives at once, from RecomputedBackward in "
+                                   "backward: none can be freed before the rest"), row
+    # what the optimizer in backward still must not do: keep a gradient after its step
+    with inject("keeps_gradients_alive"):
+        kept = workload_checks.memory(ADJOINT_LIKE)["adjoint-like/memory/in_backward"]
+    assert any("when backward ended" in p for p in kept["problems"]), kept
+    # without the rule, the model's own structure reads as the strategies' failure
+    from hookbench.measure import memory
+
+    monkeypatch.setattr(memory, "arriving_together", lambda *a, **k: (0, ""))
+    rows = workload_checks.memory(ADJOINT_LIKE)
+    assert "holds every gradient at once" in rows["adjoint-like/memory/in_backward"][
+        "problems"][0], rows
