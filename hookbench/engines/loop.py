@@ -37,10 +37,17 @@ class Refused(Exception):
 def wrapping(engine: str, wrap: Callable[[], Any]) -> Any:
     """``wrap()``, the engine's wrapper around the model; ``Refused`` naming ``engine`` and
     torch's words where it raises the exceptions torch refuses a model with by design
-    (``ValueError``, ``NotImplementedError``). Anything else it raises is a failure."""
+    (``ValueError``, ``NotImplementedError``, and Python's ``TypeError`` where a unit's
+    class cannot be subclassed in place). Anything else it raises is a failure."""
     try:
         return wrap()
-    except (ValueError, NotImplementedError) as e:
+    except (ValueError, NotImplementedError, TypeError) as e:
+        # FSDP2 makes each unit an instance of a subclass of its own class, which Python
+        # refuses for some classes ("__class__ assignment: ... object layout differs": a
+        # module that derives from ABC first, as sentence-transformers' do, cpython#79229);
+        # any other TypeError is no refusal
+        if isinstance(e, TypeError) and "__class__ assignment" not in str(e):
+            raise
         # torch's words whole, on one line (a refused module's repr spans several)
         raise Refused(f"{engine}: {type(e).__name__}: {' '.join(str(e).split())}") from None
 

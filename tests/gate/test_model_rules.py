@@ -28,6 +28,7 @@ with the fault that breaks it: the same test run without the rule fails.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import random
 
@@ -207,6 +208,32 @@ def test_an_engine_torch_will_not_wrap_the_model_with_is_a_recorded_refusal_in_t
     other = {**rows, "scalar/engines/fsdp2_zero2": {"torch_refuses": "fully_shard: other"}}
     assert not workload_checks.judge(rows, other, run).ok
     assert not workload_checks.judge(other, rows, run).ok
+
+
+class AbstractBlock(abc.ABC, nn.Module):
+    """A module class that derives from ``abc.ABC`` first (sentence-transformers' modules do):
+    Python will not turn its instances into FSDP2's subclass of it in place ("object layout
+    differs")."""
+
+
+class Encoder(AbstractBlock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+
+
+@pytest.mark.distributed
+def test_a_module_class_fsdp2_cannot_subclass_in_place_is_a_refusal_in_pythons_words():
+    rows = workload_checks.zero2([SCALAR.replace(name="abstract", model=Encoder)],
+                                 with_zero2=False)
+    assert rows["abstract/engines/ddp"]["problems"] == []
+    for setting in ("zero2", "zero3", "in_backward"):
+        assert rows[f"abstract/engines/fsdp2_{setting}"] == {
+            "torch_refuses": "fully_shard: TypeError: __class__ assignment: 'FSDPEncoder' "
+                             "object layout differs from 'Encoder'"}, rows
 
 
 class SharedDepth(nn.Module):
