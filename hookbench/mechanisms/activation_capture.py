@@ -40,6 +40,7 @@ import threading
 from typing import Any, Callable, Iterable, Iterator, NamedTuple, Union
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.modules import module as module_mod
 from torch.utils.hooks import RemovableHandle
@@ -83,6 +84,12 @@ def flatten(value: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
             yield from flatten(getattr(value, f.name), f"{prefix}.{f.name}" if prefix else f.name)
+    elif type(value) in pytree.SUPPORTED_NODES:
+        # a container a library registers with torch's pytree (TorchRec's KeyedTensor, which
+        # its EmbeddingBagCollection returns): its tensors, in pytree's order (not every
+        # library registers keys for them)
+        for i, leaf in enumerate(pytree.tree_leaves(value)):
+            yield from flatten(leaf, f"{prefix}.{i}" if prefix else str(i))
 
 
 @dataclasses.dataclass

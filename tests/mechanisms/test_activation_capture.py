@@ -742,3 +742,44 @@ def test_checkpointed_forward_records_what_eager_records(reentrant, stats):
                         r.value if stats else r.value.tolist()) for r in cap.records])
         assert all(cap.calls(n) == 1 for n in ("block.0", "block.1", "block.2", "head"))
     assert tables[1] == tables[0]
+
+
+class Pooled:
+    """A library's own output container, registered with torch's pytree without keys (as
+    TorchRec registers the KeyedTensor its EmbeddingBagCollection returns)."""
+
+    def __init__(self, values: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.values, self.lengths = values, lengths
+
+
+class PooledEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Embedding(10, 4)
+
+    def forward(self, ids: torch.Tensor) -> Pooled:
+        return Pooled(self.table(ids).sum(1), torch.full((len(ids),), ids.shape[1]))
+
+
+@pytest.fixture()
+def pooled_is_a_pytree():
+    import torch.utils._pytree as pytree
+
+    pytree.register_pytree_node(Pooled, lambda p: ((p.values, p.lengths), None),
+                                lambda children, _: Pooled(*children))
+    try:
+        yield
+    finally:  # torch 2.4 has no _deregister_pytree_node
+        if hasattr(pytree, "_deregister_pytree_node"):
+            pytree._deregister_pytree_node(Pooled)
+        else:
+            pytree.SUPPORTED_NODES.pop(Pooled)
+
+
+def test_a_container_registered_with_pytree_is_recorded_tensor_by_tensor(pooled_is_a_pytree):
+    model = nn.Sequential(OrderedDict(pool=PooledEmbedding()))
+    with ActivationCapture(model) as cap:
+        out = model(torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    got = {r.path: r.value for r in cap.records if r.name == "pool"}
+    assert sorted(got) == ["0", "1"], [(r.name, r.path) for r in cap.records]
+    assert torch.equal(got["0"], out.values) and torch.equal(got["1"], out.lengths)
