@@ -340,10 +340,14 @@ def rank_peak(workload: Workload, setting: str, world: int = WORLD) -> dict[str,
     # the model states must be there (a state missing is below), and nothing gathered or in
     # flight beside them (a parameter left gathered, a gradient not reduce-scattered is above)
     if not low * (1 - STATES_AGREEMENT) <= states <= high * (1 + STATES_AGREEMENT):
+        # and what of it is no model state: what FSDP2 kept gathered or in flight
+        kept = [f"{k} {b(v)}" for k, v in end.items()
+                if v and k not in _LEFT_OUT and k not in _STATES]
         problems.append(f"when backward ended {b(states)} were live besides the batch, the "
                         f"buffers, activations and temporaries, not the model states' "
                         + (b(low) if low == high else f"{b(low)} to {b(high)}")
-                        + f" (within {STATES_AGREEMENT:.0%})")
+                        + f" (within {STATES_AGREEMENT:.0%})"
+                        + (f": {', '.join(kept)} still live" if kept else ""))
     held = {"zero2": "every unit"}.get(setting, "the root and two units")
     against = (f"rank 0 of {world}: peak {b(got['peak'])}, {got['peak'] / bound:.2f}x the bound "
                f"{b(bound)}: model states {b(paper)} (shards of the parameters "
