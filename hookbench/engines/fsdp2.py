@@ -345,10 +345,12 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     live = [0]  # the most bytes of shard gradients held at once in this backward
 
     forward, inner = [False], [0]  # the model's forward is running; hook calls inside it
+    carried: dict[str, int] = {}  # shard gradient bytes reduced inside a forward, by name
 
     def count(p: torch.Tensor) -> None:
         if forward[0]:
             inner[0] += 1
+            carried[names[p]] = _local_bytes(p.grad) if p.grad is not None else 0
             # FSDP2's post-backward at the end of an autograd.grad inside the forward (e3nn's
             # forces): it reduce-scatters what earlier micro-batches accumulated, and the
             # backward adds the rest; the parity rows hold the sum, the optimizer in backward
@@ -366,15 +368,9 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
     # registered first, so that it runs before the optimizer in backward steps and frees
     handles = [p.register_post_accumulate_grad_hook(count)
                for p in model.parameters() if p.requires_grad]
-    carried = [0]  # bytes of shard gradients a forward left (reduced inside it)
-
-    def forward_ended(*_: Any) -> None:
-        forward[0] = False
-        carried[0] = max(carried[0], sum(_local_bytes(q.grad) for q in names
-                                         if q.grad is not None))
-
     handles += [model.register_forward_pre_hook(lambda *_: forward.__setitem__(0, True)),
-                model.register_forward_hook(forward_ended, always_call=True)]
+                model.register_forward_hook(lambda *_: forward.__setitem__(0, False),
+                                            always_call=True)]
     params = spec.optimizer_params(model)
     params = list(model.parameters()) if params is None else params
     try:
@@ -397,12 +393,14 @@ def trajectory(rank: int, world: int, spec: Any, optimizer_class: type, kwargs: 
                     "shard_grads": sorted(n for p, n in names.items() if p.grad is not None),
                     "unsharded_grads": _unsharded_grads(model),
                     "peak_shard_grad_bytes": live[0],
-                    "carried_shard_grad_bytes": carried[0], "calls_in_forward": inner[0],
+                    "carried_shard_grad_bytes": sum(carried.values()),
+                    "calls_in_forward": inner[0],
                     "reduce_scatter_dtypes": sorted(reaching.dtypes)}
             calls.clear()
             not_reduced.clear()
             reaching.dtypes.clear()
-            live[0] = carried[0] = inner[0] = 0
+            carried.clear()
+            live[0] = inner[0] = 0
             return seen
 
         try:
