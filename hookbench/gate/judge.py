@@ -88,16 +88,18 @@ def _held(ref: Reference, run: list[Snapshot], runs: Runs) -> references.Held:
     if ref.run == "DDP on the same shares":
         return references.against_ddp(w, run, runs.snapshots(ref.run), m.single, m.rounding,
                                       tol, runs.world, ref.exact, "" if ref.exact
-                                      else ref.said(w))
+                                      else ref.said(w), m.floor)
     if ref.run == "one process on the ranks' shares":
         if ref.floor_of:
             floor_of = runs.snapshots(ref.floor_of)
             return references.against_single(run, m.single, m.rounding, m.why, tol,
-                                             floor_of if isinstance(floor_of, list) else None)
+                                             floor_of if isinstance(floor_of, list) else None,
+                                             references.arithmetic_differs(w, runs.world),
+                                             m.floor)
         peer = runs.snapshots(ref.confirmed_by) if ref.confirmed_by else None
         return references.confirmed(run, peer if isinstance(peer, list) else None, m.single,
                                     m.rounding, tol, _short(w.parameter_dtype), m.ddp_order,
-                                    m.floor)
+                                    m.floor if w.compile is not None else None)
     if ref.run == "the mixed-precision reference":
         dtypes = ref.dtypes(w)
         result = compare(run, m.mixed[dtypes], tol, m.rounding)
