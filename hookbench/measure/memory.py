@@ -566,7 +566,7 @@ def arriving_together(loss: torch.Tensor, trainable: list[torch.Tensor],
         seen.add(node)
         fed = {id(f.variable): f.variable for f, _ in node.next_functions
                if f is not None and id(getattr(f, "variable", None)) in wanted}
-        total = sum(rounded(_bytes(p)) for p in fed.values())
+        total = sum(rounded(p.nbytes) for p in fed.values())  # as all_gradients counts
         if total > best:
             best, name = total, node.name()
         stack.extend(f for f, _ in node.next_functions if f is not None)
