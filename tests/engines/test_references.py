@@ -288,7 +288,7 @@ def test_a_row_that_must_refuse_and_crashed_says_so_not_that_it_trained():
                                "it must refuse (by design)"], got
 
 
-@pytest.mark.slow  # two ZeRO-2 runs of the convnet and its rounding floor: 95 s on 2 cores
+@pytest.mark.slow  # three ZeRO-2 runs of the convnet and its rounding floor: 2 min on 2 cores
 def test_a_clipping_norm_summed_shard_by_shard_is_held_to_the_rounding_floor(monkeypatch):
     """ZeRO-2 sums the clipping norm shard by shard, DDP and the single process over whole
     tensors: the norm rounds otherwise, and BatchNorm over one image a rank amplifies it
@@ -300,8 +300,13 @@ def test_a_clipping_norm_summed_shard_by_shard_is_held_to_the_rounding_floor(mon
     assert row["problems"] == [], row
     assert ("the clipping norm is summed shard by shard: within tolerance or 2x the rounding "
             "floor per tensor") in row["parity"], row["parity"]
+    # a bf16 round trip in the reduction, which this chaotic workload's floor would hold: the
+    # first step is held to the tolerance, as a rounding moves it no further
+    faulted = workload_checks.zero2([clipped], "collective_low_precision",
+                                    with_engines=False)["clipped/zero2"]
+    assert "x of tolerance (rtol 1e-05, atol 1e-06) at step 0" in faulted["problems"][0], faulted
     # without the rule, the norm's rounding fails both references
-    monkeypatch.setattr(references, "within_floor", lambda run, ref, tol, floor: compare(
+    monkeypatch.setattr(references, "within_floor", lambda run, ref, tol, floor, rounding: compare(
         run, ref, tol))
     judged = workload_checks.zero2([clipped], with_engines=False)["clipped/zero2"]
     assert len(judged["problems"]) == 2 and "x of tolerance" in judged["problems"][0], judged
