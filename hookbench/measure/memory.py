@@ -462,8 +462,11 @@ def _measure(model, spec, strategy, cls, kwargs, backend, device, warmup, snapsh
     grads_alive: list[int] = [0]
 
     def count_gradients(grad: torch.Tensor) -> None:
-        alive = sum(tracker.rounded(_bytes(p.grad)) for p in trainable if p.grad is not None)
-        grads_alive[0] = max(grads_alive[0], alive + tracker.rounded(_bytes(grad)))
+        # by storage: gradients a model's backward hands out as views of one storage
+        # (torchdiffeq's adjoint state) hold it once, until the last of them is freed
+        alive = {_storage_key(t): tracker.rounded(_bytes(t))
+                 for t in (*(p.grad for p in trainable if p.grad is not None), grad)}
+        grads_alive[0] = max(grads_alive[0], sum(alive.values()))
 
     after_backward: dict[str, int] = {}  # what is live when the last backward has ended
     together: list[tuple[int, str]] = [(0, "")]  # the measured step's (arriving_together)
@@ -674,6 +677,11 @@ def _nvml_readings() -> dict[str, Any]:
     finally:
         with contextlib.suppress(Exception):
             pynvml.nvmlShutdown()
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """One key per storage (a sparse tensor's own: its indices and values)."""
+    return id(t) if t.is_sparse else t.untyped_storage()._cdata
 
 
 def _bytes(t: torch.Tensor) -> int:
