@@ -253,6 +253,13 @@ def floor_bounds(floor: list[Snapshot], rounding: list[Snapshot] | None) -> list
     return out
 
 
+def per_tensor_bounds(steps: list[Snapshot], per_tensor: dict[str, float]) -> list[Snapshot]:
+    """``FLOOR_FACTOR`` x a rounding floor's value for each tensor (``trace.rounding_floor``),
+    as element-wise bounds shaped like ``steps``."""
+    return [{k: torch.full_like(v, FLOOR_FACTOR * per_tensor.get(k, 0.0), dtype=torch.float64)
+             for k, v in step.items()} for step in steps]
+
+
 def within_floor(run: list[Snapshot], reference: list[Snapshot], tol: Tolerance,
                  floor: Callable[[], dict[str, float]],
                  rounding: list[Snapshot] | None = None) -> Comparison:
@@ -266,9 +273,7 @@ def within_floor(run: list[Snapshot], reference: list[Snapshot], tol: Tolerance,
     first = compare(run[:1], reference[:1], tol, rounding[:1] if rounding else None)
     if not first.ok:
         return first
-    per_tensor = floor()
-    bounds = [{k: torch.full_like(v, FLOOR_FACTOR * per_tensor.get(k, 0.0), dtype=torch.float64)
-               for k, v in step.items()} for step in reference]
+    bounds = per_tensor_bounds(reference, floor())
     return dataclasses.replace(compare(run, reference, tol, bounds), rounding_level=0,
                                bound=f"the tolerance or {FLOOR_FACTOR:g}x this workload's "
                                      f"rounding floor on the ranks' shares per tensor")

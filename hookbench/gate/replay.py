@@ -184,8 +184,7 @@ def within_rounding(recorded: dict[str, Any], value: dict[str, Any], tol: Tolera
                 f"more than a kernel's rounding ({r['limit']:.2g}): what is computed changed"))
     if "floor" not in r:
         return False, f"CHANGED bits{machine_note}; final parameters {beyond}; {where}"
-    floor = [{k: torch.full_like(v, FLOOR_FACTOR * r["floor"].get(k, 0.0), dtype=torch.float64)
-              for k, v in was.items()}]
+    floor = references.per_tensor_bounds([was], r["floor"])
     held = compare([now], [was], tol or Tolerance(rtol=0.0, atol=0.0), floor)
     held = dataclasses.replace(held, rounding_level=0, bound=(
         f"{FLOOR_FACTOR:g}x this workload's rounding floor per tensor: every module's output, "
