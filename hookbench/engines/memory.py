@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -264,11 +265,21 @@ def _leaf_safe_mod_tracker() -> Any:
     otherwise it finds "The Module hierarchy tracking is wrong": torch's tracker failing, not
     the step it measures, which FSDP2 trains. Here a hook firing while a forward is still
     running is not backward, and a module whose inputs needing a gradient are all leaves
-    leaves backward when it ends, as ModTracker has a module with none do."""
+    leaves backward when it ends, as ModTracker has a module with none do.
+
+    It also knows modules by identity. ModTracker keys their names by hash, and a module whose
+    hash follows its state (torchmetrics' ``Metric`` hashes its metric states, which its own
+    forward updates) got another name at the end of its forward than at its start: "The
+    Module hierarchy tracking is wrong"."""
     from torch.distributed._tools.mod_tracker import ModTracker
 
     class InnerGradSafe(ModTracker):
         forwards = 0  # module forwards running
+
+        def __init__(self) -> None:
+            super().__init__()
+            self._known_modules = _ByIdentity()
+            self._seen_modules = _ByIdentity()
 
         def _fw_pre_hook(self, mod: torch.nn.Module, input: Any) -> None:
             self.forwards += 1
@@ -292,6 +303,33 @@ def _leaf_safe_mod_tracker() -> Any:
             return lambda *args: None if self.forwards else fn(*args)
 
     return InnerGradSafe()
+
+
+class _ByIdentity:
+    """What ModTracker asks of its ``WeakKeyDictionary`` and ``WeakSet`` of modules (``in``,
+    ``[]``, ``get``, ``add``), keyed by identity instead of hash. An entry holds its module
+    weakly: an id reused by another module after the first was collected is not found."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
+
+    def __contains__(self, mod: object) -> bool:
+        entry = self._entries.get(id(mod))
+        return entry is not None and entry[0]() is mod
+
+    def __getitem__(self, mod: object) -> Any:
+        if mod not in self:
+            raise KeyError(mod)
+        return self._entries[id(mod)][1]
+
+    def __setitem__(self, mod: object, value: Any) -> None:
+        self._entries[id(mod)] = (weakref.ref(mod), value)
+
+    def get(self, mod: object, default: Any = None) -> Any:
+        return self[mod] if mod in self else default
+
+    def add(self, mod: object) -> None:
+        self[mod] = None
 
 
 def rank_peak(workload: Workload, setting: str, world: int = WORLD) -> dict[str, Any]:

@@ -180,6 +180,50 @@ def test_the_bytes_do_not_depend_on_when_python_collects_cycles(gc_threshold, mo
     assert rank_peak(CYCLES, "zero2")["left"] >= 256 * 1024
 
 
+class Counter(torch.nn.Module):
+    """A module whose hash follows its state, as torchmetrics' ``Metric`` hashes its metric
+    states: it counts the samples its forward sees (a Lightning ``training_step`` calls its
+    accuracy metric on the logits)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = 0
+
+    def __hash__(self) -> int:
+        return hash((id(self), self.seen))
+
+    def forward(self, logits: torch.Tensor) -> None:
+        self.seen += logits.shape[0]
+
+
+class Metered(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 3))
+        self.accuracy = Counter()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.net(x)
+        self.accuracy(logits.detach())
+        return logits
+
+
+METERED = CYCLES.replace(name="metered", model=Metered)
+
+
+def test_a_module_whose_hash_follows_its_state_is_measured(monkeypatch):
+    row = rank_peak(METERED, "zero2")
+    assert row["backend"] == "fake" and not row["problems"], row
+    # torch's ModTracker keys modules by hash: the counter gets another name when its forward
+    # ends than when it began, and the tracker stops the row
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    monkeypatch.setattr(engine_memory, "_leaf_safe_mod_tracker", ModTracker)
+    with pytest.raises(RuntimeError, match="The Module hierarchy tracking is wrong"):
+        rank_peak(METERED.replace(name="metered-again"), "zero2")
+
+
 @pytest.mark.slow  # 12 s; the default tier fails the fault on the engine rows
 def test_the_rows_shard_as_the_workload_declares_and_a_dropped_policy_fails_them():
     # Workload.fsdp2's units and MixedPrecisionPolicy (issue 46), the rows' reshard axis kept:
