@@ -48,20 +48,20 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
-import weakref
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
 
 from hookbench.core.prerequisites import one_line
 from hookbench.core.workload import Workload
 from hookbench.engines import fsdp2
 from hookbench.engines.loop import Refused, wrapping
 from hookbench.measure.bounds import STATES_AGREEMENT
-from hookbench.measure.memory import (built, collection_paused, format_bytes, materialize,
-                                      torch_log_kept)
+from hookbench.measure.memory import (built, collection_paused, format_bytes, imports_as_real,
+                                      materialize, torch_log_kept)
 from hookbench.mechanisms.optimizer_in_backward import OptimizerInBackward
 
 __all__ = ["WORLD", "rank_peak", "state_bytes"]
@@ -202,6 +202,7 @@ def _run(workload: Workload, setting: str, world: int, fake: bool) -> dict[str, 
         stack.callback(dist.destroy_process_group)
         mesh = init_device_mesh("cpu", (world,))  # outside FakeTensorMode: it reads its ranks
         if fake:
+            stack.enter_context(imports_as_real())
             with torch.device("meta"):
                 model = workload.build()
         else:
@@ -278,8 +279,7 @@ def _leaf_safe_mod_tracker() -> Any:
 
         def __init__(self) -> None:
             super().__init__()
-            self._known_modules = _ByIdentity()
-            self._seen_modules = _ByIdentity()
+            self._known_modules = WeakIdKeyDictionary()
 
         def _fw_pre_hook(self, mod: torch.nn.Module, input: Any) -> None:
             self.forwards += 1
@@ -304,32 +304,6 @@ def _leaf_safe_mod_tracker() -> Any:
 
     return InnerGradSafe()
 
-
-class _ByIdentity:
-    """What ModTracker asks of its ``WeakKeyDictionary`` and ``WeakSet`` of modules (``in``,
-    ``[]``, ``get``, ``add``), keyed by identity instead of hash. An entry holds its module
-    weakly: an id reused by another module after the first was collected is not found."""
-
-    def __init__(self) -> None:
-        self._entries: dict[int, tuple[weakref.ref, Any]] = {}
-
-    def __contains__(self, mod: object) -> bool:
-        entry = self._entries.get(id(mod))
-        return entry is not None and entry[0]() is mod
-
-    def __getitem__(self, mod: object) -> Any:
-        if mod not in self:
-            raise KeyError(mod)
-        return self._entries[id(mod)][1]
-
-    def __setitem__(self, mod: object, value: Any) -> None:
-        self._entries[id(mod)] = (weakref.ref(mod), value)
-
-    def get(self, mod: object, default: Any = None) -> Any:
-        return self[mod] if mod in self else default
-
-    def add(self, mod: object) -> None:
-        self[mod] = None
 
 
 def rank_peak(workload: Workload, setting: str, world: int = WORLD) -> dict[str, Any]:

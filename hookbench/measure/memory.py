@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib.abc
 import logging
 import math
 import os
 import pickle
+import sys
 import weakref
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -332,12 +334,7 @@ def measure(
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
             stack.callback(dist.destroy_process_group)
         if backend == "fake":
-            from torch._subclasses.fake_tensor import FakeTensorMode
-
-            with torch.device("meta"):  # outside FakeTensorMode, which refuses meta tensors
-                model = spec.build()
-            stack.enter_context(FakeTensorMode())
-            materialize(model)
+            model = built(spec, True, stack)
             device = torch.device("cpu")
         else:
             device = torch.device("cuda" if backend == "cuda" else "cpu")
@@ -605,11 +602,56 @@ def built(workload: Any, fake: bool, stack: contextlib.ExitStack) -> nn.Module:
         return workload.build()
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with torch.device("meta"):
+    stack.enter_context(imports_as_real())
+    with torch.device("meta"):  # outside FakeTensorMode, which refuses meta tensors
         model = workload.build()
     stack.enter_context(FakeTensorMode())
     materialize(model)
     return model
+
+
+@contextlib.contextmanager
+def imports_as_real() -> Iterator[None]:
+    """Inside, a module imported for the first time runs its top level on real tensors on the
+    default device of the moment this was entered, outside any ``torch.device("meta")`` or
+    ``FakeTensorMode`` entered since. Measured on torchdiffeq, whose models import it in their
+    forward: imported first inside a fake forward, its Butcher tableaus (module constants) were
+    fake tensors, and every eager run after it in the process failed on them."""
+    finder = _RealImports(torch.get_default_device())
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+
+
+class _RealImports(importlib.abc.MetaPathFinder):
+    """Finds a module as the finders after it do, and runs its loader's ``exec_module`` with
+    fake tensors unset and ``device`` the default."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        for finder in sys.meta_path:
+            if isinstance(finder, _RealImports) or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is None:
+                continue
+            loader = spec.loader
+            # a loader class (builtins, frozen modules) holds no tensors of its own making
+            if loader is not None and not isinstance(loader, type) and hasattr(loader, "__dict__"):
+                loader.exec_module = partial(self._exec, loader, type(loader).exec_module)
+            return spec
+        return None
+
+    def _exec(self, loader: Any, run: Callable, module: Any) -> None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        del loader.exec_module  # the loader's own again
+        with unset_fake_temporarily(), torch.device(self.device):
+            run(loader, module)
 
 
 def materialize(model: nn.Module) -> None:

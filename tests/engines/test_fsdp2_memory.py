@@ -10,18 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import importlib
 import math
 import re
+import sys
 import types
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException
 from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
 from hookbench import Workload
 from hookbench.engines import memory as engine_memory
 from hookbench.engines.memory import rank_peak, state_bytes
 from hookbench.gate import workload_checks
+from hookbench.measure import memory as measure_memory
 from hookbench.mechanisms import optimizer_in_backward
 from hookbench.models.zoo import TinySpec
 from hookbench.models.zoo import workload as zoo_workload
@@ -222,6 +226,47 @@ def test_a_module_whose_hash_follows_its_state_is_measured(monkeypatch):
     monkeypatch.setattr(engine_memory, "_leaf_safe_mod_tracker", ModTracker)
     with pytest.raises(RuntimeError, match="The Module hierarchy tracking is wrong"):
         rank_peak(METERED.replace(name="metered-again"), "zero2")
+
+
+class ImportsInForward(torch.nn.Module):
+    """Imports a module with a tensor constant in its forward, as torchdiffeq's models do
+    (its Butcher tableaus), and reads a value: fake tensors cannot run it."""
+
+    module = "hookbench_constants"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = importlib.import_module(self.module).SCALE
+        return self.linear(x * scale[1] if bool(scale[0] < 1) else x)
+
+
+@pytest.fixture
+def constants(tmp_path, monkeypatch):
+    """A module, not imported yet, whose top level makes a tensor; forgotten in finally."""
+    (tmp_path / f"{ImportsInForward.module}.py").write_text(
+        "import torch\nSCALE = torch.tensor([0.5, 2.0])\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    try:
+        yield
+    finally:
+        sys.modules.pop(ImportsInForward.module, None)
+
+
+def test_a_module_first_imported_in_a_fake_forward_keeps_real_constants(constants, monkeypatch):
+    workload = CYCLES.replace(name="imports", model=ImportsInForward)
+    row = rank_peak(workload, "zero2")  # the fake attempt imports it, and cannot run it
+    assert row["backend"] == "eager" and not row["problems"], row
+    assert type(sys.modules[ImportsInForward.module].SCALE) is torch.Tensor
+    # imported inside FakeTensorMode, the constant is a fake tensor, and the eager run fails
+    sys.modules.pop(ImportsInForward.module)
+    for module in (engine_memory, measure_memory):
+        monkeypatch.setattr(module, "imports_as_real", contextlib.nullcontext)
+    with pytest.raises(DataDependentOutputException):  # in the eager run, on the fake constant
+        rank_peak(workload.replace(name="imports-again"), "zero2")
+    assert type(sys.modules[ImportsInForward.module].SCALE) is not torch.Tensor
 
 
 @pytest.mark.slow  # 12 s; the default tier fails the fault on the engine rows
