@@ -640,8 +640,10 @@ class _RealImports(importlib.abc.MetaPathFinder):
             if spec is None:
                 continue
             loader = spec.loader
-            # a loader class (builtins, frozen modules) holds no tensors of its own making
-            if loader is not None and not isinstance(loader, type) and hasattr(loader, "__dict__"):
+            # a loader class (builtins, frozen modules) makes no tensors; one without
+            # exec_module (the old load_module protocol) is left as it is
+            if (loader is not None and not isinstance(loader, type)
+                    and hasattr(loader, "__dict__") and hasattr(type(loader), "exec_module")):
                 loader.exec_module = partial(self._exec, loader, type(loader).exec_module)
             return spec
         return None
@@ -649,7 +651,7 @@ class _RealImports(importlib.abc.MetaPathFinder):
     def _exec(self, loader: Any, run: Callable, module: Any) -> None:
         from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        del loader.exec_module  # the loader's own again
+        vars(loader).pop("exec_module", None)  # the loader's own again (zipimport's is shared)
         with unset_fake_temporarily(), torch.device(self.device):
             run(loader, module)
 
