@@ -305,7 +305,6 @@ def _leaf_safe_mod_tracker() -> Any:
     return InnerGradSafe()
 
 
-
 def rank_peak(workload: Workload, setting: str, world: int = WORLD) -> dict[str, Any]:
     """Rank 0 of ``world``'s peak under FSDP2 in ``setting`` (``fsdp2.SETTINGS``), against its
     bound: ``peak``, ``breakdown`` (bytes by category at the peak), ``bound`` and its
