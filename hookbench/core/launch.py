@@ -73,7 +73,13 @@ def rank_threads() -> Iterator[None]:
 
 class RankFailed(RuntimeError):
     """A rank raised; the message carries its traceback, ``summary`` the one line a verdict
-    row shows: which rank failed first, and its exception."""
+    row shows: which rank failed first, and its exception. Where the rank's process died
+    instead (a signal, an exit), ``rank`` and ``exit_code`` say which and how."""
+
+    def __init__(self, message: str, rank: int | None = None,
+                 exit_code: int | None = None) -> None:
+        super().__init__(message)
+        self.rank, self.exit_code = rank, exit_code
 
     @property
     def summary(self) -> str:
@@ -251,11 +257,20 @@ def _join(context: Any, first: int, world_size: int, timeout: float, out: str) -
         failed = sorted(Path(out).glob("rank*.oserror"))
         if failed:  # not a failure of the ranks' work: the caller stops, saying so
             raise StorageFailed(*json.loads(failed[0].read_text())) from None
-        raise RankFailed(f"rank {first + e.error_index} of {world_size} exited with code "
-                         f"{e.exit_code}") from None
+        rank = first + e.error_index
+        raise RankFailed(f"rank {rank} of {world_size} {died(e.exit_code)}", rank,
+                         e.exit_code) from None
     finally:
         spawn_log.setLevel(level)
         _stop(context.processes)
+
+
+def died(exit_code: int) -> str:
+    """How a process ended, in words: ``exited with code 1``, ``was killed by SIGSEGV``."""
+    if exit_code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-exit_code).name}"
+    return f"exited with code {exit_code}"
 
 
 def _stop(processes: list) -> None:

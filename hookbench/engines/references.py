@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,19 +61,23 @@ __all__ = ["ENGINE_RUNS", "Held", "Key", "Measured", "against_ddp", "against_sin
 Key = tuple[str, str, str]
 
 
-def ranks(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[Key, dict[str, Any]]:
+def ranks(rank: int, world: int, cases: list[dict[str, Any]], progress: str | None = None
+          ) -> dict[Key, dict[str, Any]]:
     """Each case on this rank, from one start of the ranks, its result under the case's
     ``key`` (workload, row, case: ``gathered`` turns every rank's into one table, so nothing
     is read back by its position): ``{"engine": "ddp", ...}`` by ``ddp.trajectory``,
     ``"fsdp2"`` by ``fsdp2.trajectory``, any other by ``zero2_runs.trajectory`` (its keyword
     arguments). Its ``fault`` reaches it by ``faults.run_under``'s rule: what it raises is
     its result's ``error``, so every rank ends. The warnings a run raised are in its result's
-    ``warnings``, each once."""
+    ``warnings``, each once. ``progress``: a folder where the rank keeps the index of the case
+    it runs (``run_cases``)."""
     keys = [case["key"] for case in cases]
     if len(set(keys)) != len(keys):
         raise ValueError(f"two cases share a key: {sorted(k for k in keys if keys.count(k) > 1)}")
     out = {}
-    for case in cases:
+    for index, case in enumerate(cases):
+        if progress:
+            Path(progress, f"rank{rank}").write_text(str(index))
         case = dict(case)
         key = case.pop("key")
         said: list[str] = []  # torch's warnings go into the result, not onto the terminal
@@ -79,7 +85,37 @@ def ranks(rank: int, world: int, cases: list[dict[str, Any]]) -> dict[Key, dict[
             out[key] = _run(rank, world, case)
         if said:
             out[key]["warnings"] = said
+    if progress:
+        Path(progress, f"rank{rank}").write_text("done")
     return out
+
+
+def run_cases(cases: list[dict[str, Any]], world: int, timeout: float
+              ) -> dict[Key, list[dict[str, Any]]]:
+    """``ranks`` on ``cases`` from one start of ``world`` ranks, gathered by key. A rank whose
+    process dies inside a case (torch crashing on the model: FSDP2 resharding a parameter its
+    forward returns, SIGSEGV on torch 2.14.1) takes only that case down: its result on every
+    rank is an ``error`` that names the death, and the ranks start again on the others. A
+    death outside a case, or an exception, raises as ``launch.run`` does."""
+    left, dead = list(cases), {}
+    while True:
+        with tempfile.TemporaryDirectory(prefix="hookbench-cases-") as progress:
+            try:
+                got = gathered(launch.run(ranks, world, left, progress, timeout=timeout))
+                return {case["key"]: got.get(case["key"]) or dead[case["key"]]
+                        for case in cases}
+            except launch.RankFailed as e:
+                if e.rank is None:
+                    raise
+                at = Path(progress, f"rank{e.rank}")
+                index = at.read_text() if at.exists() else "done"
+                if index == "done":
+                    raise
+                case = left.pop(int(index))
+                how = launch.died(e.exit_code).removeprefix("was ")  # whichever rank died first
+                dead[case["key"]] = [{"error": f"a rank's process {how} in this run: a crash, "
+                                               f"not an exception (the other runs ran again "
+                                               f"without it)"}] * world
 
 
 def gathered(per_rank: list[dict[Key, dict[str, Any]]]) -> dict[Key, list[dict[str, Any]]]:

@@ -33,7 +33,6 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-from hookbench.core import launch
 from hookbench.core.prerequisites import StorageFailed, attempt, one_line, warnings_kept
 from hookbench.core.workload import Workload, describe
 from hookbench.gate.baselines import fingerprint
@@ -223,10 +222,9 @@ def zero2(workloads: list[Workload], fault: str | None = None, timeout: float = 
     cases = [zero2_case(w, fault) for w in (workloads if with_zero2 else ())]
     engined = workloads if with_engines else []
     stopped, engine_cases = engine_runs(engined, fault)
-    got = references.gathered(launch.run(
-        references.ranks, ZERO2_RANKS,
+    got = references.run_cases(
         [*cases, *references.ddp_beside(cases), *(c for w in engine_cases for c in w)],
-        timeout=timeout))
+        ZERO2_RANKS, timeout)
     zero2_results = {w.name: {"zero2": got[case["key"]],
                               "DDP on the same shares": got[(w.name, "zero2", "ddp")]}
                      for w, case in zip(workloads, cases)}

@@ -210,6 +210,48 @@ def test_an_engine_torch_will_not_wrap_the_model_with_is_a_recorded_refusal_in_t
     assert not workload_checks.judge(other, rows, run).ok
 
 
+class ReturnsItsBias(nn.Module):
+    """SigLIP's learned logit bias, handed to the loss as the parameter itself (open_clip's
+    ``output_dict``): an output with no ``grad_fn``. DDP with ``find_unused_parameters=True``
+    (hookbench's choice where a workload declares no ``ddp``) does not find its gradient
+    accumulator from the outputs, marks it unused, then gets its gradient: "marked as ready
+    twice", in plain torch too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+        self.logit_bias = nn.Parameter(torch.full((1,), -1.0))
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"logits": self.lin(x), "logit_bias": self.logit_bias}
+
+
+def biased_loss(output: dict[str, torch.Tensor], y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output["logits"] + output["logit_bias"], y)
+
+
+@pytest.mark.distributed
+def test_zero2_is_judged_without_ddp_where_ddp_stops_and_a_crashed_run_fails_alone():
+    rows = workload_checks.zero2([SCALAR.replace(name="bias", model=ReturnsItsBias,
+                                                 loss=biased_loss)])
+    assert "Expected to mark a variable ready only once" in " ".join(
+        rows["bias/engines/ddp"]["problems"]), rows
+    # ZeRO-2 trained: held to one process on the ranks' shares, and not compared with the DDP
+    # beside it, which stopped (its own row says why); before, its checks read DDP's missing
+    # parameters: "KeyError: 'snapshots'"
+    zero2 = rows["bias/zero2"]
+    assert zero2["problems"] == [], zero2
+    assert "vs DDP: not compared (DDP did not train the workload" in zero2["parity"], zero2
+    # torch's FSDP2 frees a parameter the forward returned when it reshards after forward, and
+    # the loss reads it: the rank dies (SIGSEGV on 2.14.1, also in plain torch). That run
+    # alone fails; every other run of the launch is judged.
+    assert rows["bias/engines/fsdp2_zero2"]["problems"] == [], rows["bias/engines/fsdp2_zero2"]
+    for setting in ("zero3", "in_backward"):
+        problems = rows[f"bias/engines/fsdp2_{setting}"]["problems"]
+        assert problems and all("process killed by" in p and "a crash, not an exception"
+                                in p for p in problems), problems
+
+
 class AbstractBlock(abc.ABC, nn.Module):
     """A module class that derives from ``abc.ABC`` first (sentence-transformers' modules do):
     Python will not turn its instances into FSDP2's subclass of it in place ("object layout

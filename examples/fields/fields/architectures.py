@@ -1143,9 +1143,13 @@ OPEN_CLIP_ADAMW = (torch.optim.AdamW, {"lr": 5e-4, "betas": (0.9, 0.98), "eps": 
 OPEN_CLIP = Workload("open-clip-vit", model=functools.partial(_open_clip, "clip"),
                      batch=image_text, loss=clip_loss, optimizer=OPEN_CLIP_ADAMW,
                      param_groups=open_clip_decay, lr_scheduler=COSINE)
+# open_clip's training wraps DDP with torch's defaults (ddp_args = {}, static_graph by flag):
+# hookbench's own choice, find_unused_parameters=True, fails in torch on SigLIP, whose forward
+# returns its logit_bias parameter itself ("Expected to mark a variable ready only once")
 SIGLIP = Workload("open-clip-siglip", model=functools.partial(_open_clip, "siglip"),
                   batch=image_text, loss=siglip_loss, optimizer=OPEN_CLIP_ADAMW,
-                  param_groups=open_clip_decay, lr_scheduler=COSINE)
+                  param_groups=open_clip_decay, lr_scheduler=COSINE,
+                  ddp={"find_unused_parameters": False})
 COCA = Workload("open-clip-coca", model=functools.partial(_open_clip, "coca"),
                 batch=image_text, loss=coca_loss, optimizer=OPEN_CLIP_ADAMW,
                 param_groups=open_clip_decay, clip_grad_norm=1.0)
