@@ -90,7 +90,7 @@ def ranks(rank: int, world: int, cases: list[dict[str, Any]], progress: str | No
     return out
 
 
-def run_cases(cases: list[dict[str, Any]], world: int, timeout: float
+def run_cases(cases: list[dict[str, Any]], world: int, timeout: float, backend: str = "gloo"
               ) -> dict[Key, list[dict[str, Any]]]:
     """``ranks`` on ``cases`` from one start of ``world`` ranks, gathered by key. A rank whose
     process dies inside a case (torch crashing on the model: FSDP2 resharding a parameter its
@@ -101,7 +101,8 @@ def run_cases(cases: list[dict[str, Any]], world: int, timeout: float
     while True:
         with tempfile.TemporaryDirectory(prefix="hookbench-cases-") as progress:
             try:
-                got = gathered(launch.run(ranks, world, left, progress, timeout=timeout))
+                got = gathered(launch.run(ranks, world, left, progress, timeout=timeout,
+                                          backend=backend))
                 return {case["key"]: got.get(case["key"]) or dead[case["key"]]
                         for case in cases}
             except launch.RankFailed as e:

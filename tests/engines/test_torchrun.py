@@ -146,7 +146,7 @@ def test_spawned_ranks_beside_cuda_run_and_say_gloo(capsys, monkeypatch):
     # look present in this process, the ranks are not started: which backend they are given.
     given = []
 
-    def run(fn, world, cases, timeout, backend):
+    def run(fn, world, *args, timeout, backend):
         given.append(backend)
         raise RuntimeError("not started")
 
