@@ -40,9 +40,10 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 
 from hookbench import Workload
+from hookbench.core import launch
 from hookbench.core import workload as workload_module
 from hookbench.core.leak_guard import untracked
-from hookbench.engines import fsdp2
+from hookbench.engines import fsdp2, references
 from hookbench.gate import workload_checks
 from hookbench.measure.faults import inject
 
@@ -250,6 +251,17 @@ def test_zero2_is_judged_without_ddp_where_ddp_stops_and_a_crashed_run_fails_alo
         problems = rows[f"bias/engines/fsdp2_{setting}"]["problems"]
         assert problems and all("process killed by" in p and "a crash, not an exception"
                                 in p for p in problems), problems
+
+
+def test_a_death_outside_any_run_stops_the_launch_as_before(monkeypatch):
+    # no rank had begun a run (its progress file says none): nothing to blame one run for
+    def run(fn, world, cases, progress, timeout, backend):
+        raise launch.RankFailed(f"rank 1 of 2 {launch.died(-9)}", 1, -9)
+
+    monkeypatch.setattr(launch, "run", run)
+    with pytest.raises(launch.RankFailed, match="rank 1 of 2 was killed by SIGKILL"):
+        references.run_cases([{"key": ("w", "zero2", "x")}], 2, 10.0)
+    assert launch.died(3) == "exited with code 3"
 
 
 class AbstractBlock(abc.ABC, nn.Module):
