@@ -114,9 +114,9 @@ def run_cases(cases: list[dict[str, Any]], world: int, timeout: float, backend: 
                     raise
                 case = left.pop(int(index))
                 how = launch.died(e.exit_code).removeprefix("was ")  # whichever rank died first
-                dead[case["key"]] = [{"error": f"a rank's process {how} in this run: a crash, "
-                                               f"not an exception (the other runs ran again "
-                                               f"without it)"}] * world
+                words = (f"a rank's process {how} in this run: a crash, not an exception "
+                         f"(the other runs ran again without it)")
+                dead[case["key"]] = [{"error": words} for _ in range(world)]  # one dict a rank
 
 
 def gathered(per_rank: list[dict[Key, dict[str, Any]]]) -> dict[Key, list[dict[str, Any]]]:
